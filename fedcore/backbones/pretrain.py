@@ -1,0 +1,179 @@
+"""Supervised pretraining of the tiny ViT on a dataset's held-out `pretrain` split (mini-scale backbone)."""
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedcore.backbones.images import to_model_input
+from fedcore.backbones.vit import backbone_info, build_vit
+from fedcore.data.arrays import DatasetBundle
+from fedcore.io import atomic_path
+
+WARMUP_FRACTION = 0.05  # linear warm-up share of all steps before the cosine decay
+
+
+@contextlib.contextmanager
+def _isolated_torch_state(threads: int | None) -> Iterator[None]:
+    """Seed/determinism/thread settings for one run, restoring the caller's global torch state afterwards."""
+    prev_threads = torch.get_num_threads()
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        # warn_only: on CUDA a few kernels have no deterministic variant; CPU training is bit-exact anyway
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_num_threads(prev_threads)
+        torch.use_deterministic_algorithms(prev_det, warn_only=prev_warn)
+
+
+def random_shift(x: Tensor, max_shift: int, generator: torch.Generator) -> Tensor:
+    """Shift each uint8 (B,H,W,C) image by up to ±max_shift pixels, edge pixels repeated; one gather, no padding."""
+    b, h, w, _ = x.shape
+    dev = x.device
+    dy = torch.randint(-max_shift, max_shift + 1, (b, 1), generator=generator).to(dev)
+    dx = torch.randint(-max_shift, max_shift + 1, (b, 1), generator=generator).to(dev)
+    rows = (torch.arange(h, device=dev) + dy).clamp_(0, h - 1)  # (B,H)
+    cols = (torch.arange(w, device=dev) + dx).clamp_(0, w - 1)  # (B,W)
+    return x[torch.arange(b, device=dev)[:, None, None], rows[:, :, None], cols[:, None, :]]
+
+
+def _lr_factor(step: int, total: int, schedule: str) -> float:
+    """Multiplier of the base lr: linear warm-up then cosine to zero, or constant."""
+    if schedule == "constant":
+        return 1.0
+    warm = max(1, int(WARMUP_FRACTION * total))
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no decay for biases, norms, position embeddings and the CLS token (as timm/ViT do)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim <= 1 or name.endswith(("pos_embed", "cls_token")) else decay).append(p)
+    return [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+
+
+@torch.no_grad()
+def _accuracy(model: nn.Module, head: nn.Module, x: Tensor, y: Tensor, info: dict, batch_size: int) -> float:
+    """Clean (unaugmented, eval-mode) accuracy of backbone+head on on-device uint8 images."""
+    correct = 0
+    for s in range(0, len(y), batch_size):
+        inp = to_model_input(x[s : s + batch_size], info["img_size"], info["mean"], info["std"])
+        correct += int((head(model(inp)).argmax(1) == y[s : s + batch_size]).sum())
+    return correct / max(1, len(y))
+
+
+def pretrain_vit(
+    bundle: DatasetBundle,
+    arch: str = "vit_mini",
+    epochs: int = 30,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    weight_decay: float = 0.05,
+    seed: int = 0,
+    out_path: str | Path | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+    device: str | torch.device = "cpu",
+    schedule: str = "cosine",
+    max_shift: int | None = None,
+    label_smoothing: float = 0.1,
+) -> dict:
+    """Train `arch` + a temporary linear head on bundle.pretrain; save the backbone state dict (no head) to out_path."""
+    ds = bundle.pretrain
+    if ds is None or len(ds) == 0:
+        raise ValueError("the dataset bundle has no pretrain split to pretrain the backbone on")
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
+    device = torch.device(device)
+    with _isolated_torch_state(threads):
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)  # CPU generator: same shuffles/shifts on every device
+        model = build_vit(arch).to(device)
+        info = backbone_info(model)
+        num_classes = max(int(ds.y.max()) + 1, len(bundle.meta.get("classes", ())))
+        head = nn.Linear(info["embed_dim"], num_classes).to(device)
+        params = list(model.parameters()) + list(head.parameters())
+        opt = torch.optim.AdamW(
+            _param_groups(model, weight_decay) + [dict(params=list(head.parameters()), weight_decay=weight_decay)],
+            lr=lr,
+        )
+        # the whole split lives on the device as uint8; batches are gathered there
+        x_all = torch.from_numpy(ds.x).to(device)
+        y_all = torch.from_numpy(ds.y).to(device)
+        n = len(y_all)
+        shift = max_shift if max_shift is not None else max(1, ds.x.shape[1] // 8)
+        steps_per_epoch = math.ceil(n / batch_size)
+        total = epochs * steps_per_epoch
+        step, seen, train_time, loss_val = 0, 0, 0.0, float("nan")
+        for epoch in range(epochs):
+            model.train()
+            head.train()
+            perm = torch.randperm(n, generator=gen).to(device)
+            # device-side sums: no host sync per step on GPU
+            ep_correct = torch.zeros((), dtype=torch.long, device=device)
+            ep_loss = torch.zeros((), device=device)
+            t0 = time.perf_counter()
+            for s in range(0, n, batch_size):
+                idx = perm[s : s + batch_size]
+                xb = random_shift(x_all[idx], shift, gen) if shift > 0 else x_all[idx]
+                inp = to_model_input(xb, info["img_size"], info["mean"], info["std"])
+                for g in opt.param_groups:
+                    g["lr"] = lr * _lr_factor(step, total, schedule)
+                logits = head(model(inp))
+                loss = F.cross_entropy(logits, y_all[idx], label_smoothing=label_smoothing)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                step += 1
+                ep_loss += loss.detach() * len(idx)
+                ep_correct += (logits.detach().argmax(1) == y_all[idx]).sum()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            train_time += time.perf_counter() - t0
+            seen += n
+            loss_val = float(ep_loss) / n
+            if progress:
+                print(
+                    f"[pretrain {arch}] epoch {epoch + 1}/{epochs} loss {loss_val:.4f} "
+                    f"acc {int(ep_correct) / n:.4f} ({seen / max(train_time, 1e-9):.0f} img/s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        model.eval()
+        head.eval()
+        train_acc = _accuracy(model, head, x_all, y_all, info, 4 * batch_size)
+        state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if out_path is not None:
+        with atomic_path(out_path, suffix=".pt") as tmp:
+            torch.save(state, tmp)
+    return dict(
+        arch=arch,
+        epochs=epochs,
+        steps=step,
+        images=seen,
+        num_classes=num_classes,
+        train_seconds=train_time,
+        images_per_s=seen / max(train_time, 1e-9),
+        final_loss=loss_val,
+        train_acc=train_acc,
+        backbone_params=sum(p.numel() for p in model.parameters()),
+        out_path=None if out_path is None else str(out_path),
+        device=str(device),
+        threads=torch.get_num_threads() if threads is None else threads,
+    )

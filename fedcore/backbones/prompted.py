@@ -1,0 +1,96 @@
+"""A frozen timm ViT with prompt tokens inserted after the prefix (CLS) tokens at chosen blocks (VPT / SGPT)."""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from timm.models.vision_transformer import VisionTransformer
+
+MODES = ("insert", "replace")
+
+
+def init_prompts(n: int, dim: int, patch_size: int, generator: torch.Generator | None = None) -> nn.Parameter:
+    """(n, dim) prompt tokens with VPT's init: uniform(-v, v), v = sqrt(6 / (3 * patch_size**2 + dim))."""
+    v = math.sqrt(6.0 / (3 * patch_size * patch_size + dim))
+    return nn.Parameter(torch.empty(n, dim).uniform_(-v, v, generator=generator))
+
+
+class PromptedViT(nn.Module):
+    """Wrap a timm VisionTransformer (frozen, always in eval mode) and run its blocks with prompt tokens."""
+
+    def __init__(self, vit: VisionTransformer) -> None:
+        super().__init__()
+        self.vit = vit
+        vit.requires_grad_(False)
+        vit.eval()
+        self.num_prefix_tokens = int(vit.num_prefix_tokens)
+        self.embed_dim = int(vit.embed_dim)
+        self.depth = len(vit.blocks)
+        self.patch_size = int(vit.patch_embed.patch_size[0])
+
+    def train(self, mode: bool = True) -> "PromptedViT":
+        """Switch the wrapper's own modules; the backbone stays in eval mode (dropout off, as in SGPT's code)."""
+        super().train(mode)
+        self.vit.eval()
+        return self
+
+    @staticmethod
+    def cls_token(tokens: Tensor) -> Tensor:
+        """The CLS token output (B, D) of a forward_tokens result."""
+        return tokens[:, 0]
+
+    def _expand(self, p: Tensor, batch: int, block: int, like: Tensor) -> Tensor:
+        """Shared (n,D) -> (B,n,D) view (no copy); per-sample (B,n,D) passes through after a shape check."""
+        if p.ndim == 2:
+            p = p.unsqueeze(0).expand(batch, -1, -1)
+        elif p.ndim != 3 or p.shape[0] != batch:
+            raise ValueError(f"prompts[{block}] must be (n, D) or (B={batch}, n, D), got {tuple(p.shape)}")
+        if p.shape[-1] != self.embed_dim:
+            raise ValueError(f"prompts[{block}] has dim {p.shape[-1]}, backbone embed_dim is {self.embed_dim}")
+        # under autocast the residual stream may be fp32 while prompts are bf16 (or vice versa): match it
+        return p.to(like.dtype)
+
+    def forward_tokens(
+        self,
+        x: Tensor,
+        prompts: Mapping[int, Tensor] | None = None,
+        mode: str = "insert",
+        stop_block: int | None = None,
+    ) -> Tensor:
+        """Final-normed tokens (B, T, D) of model input `x` (B,3,S,S) with `prompts[i]` entering block i.
+
+        mode="insert": new tokens go right after the prefix tokens and are kept (SGPT; VPT-shallow if only
+        block 0). mode="replace": VPT-deep, the prompt outputs of the previous insertion are swapped for
+        prompts[i]. stop_block=k runs blocks 0..k only, then the final norm.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        last = self.depth - 1 if stop_block is None else int(stop_block)
+        if not 0 <= last < self.depth:
+            raise ValueError(f"stop_block must be in [0, {self.depth - 1}], got {stop_block}")
+        prompts = prompts or {}
+        bad = [i for i in prompts if not 0 <= i < self.depth]
+        if bad:
+            raise ValueError(f"prompt blocks {bad} outside the backbone's blocks 0..{self.depth - 1}")
+
+        v, npfx = self.vit, self.num_prefix_tokens
+        h = v.norm_pre(v.patch_drop(v._pos_embed(v.patch_embed(x))))
+        batch, n_live = h.shape[0], 0  # n_live: prompt tokens currently right after the prefix
+        ckpt = v.grad_checkpointing and torch.is_grad_enabled()
+        for i in range(last + 1):
+            p = prompts.get(i)
+            if p is not None:
+                p = self._expand(p, batch, i, h)
+                keep_from = npfx + (n_live if mode == "replace" else 0)
+                h = torch.cat([h[:, :npfx], p, h[:, keep_from:]], dim=1)
+                n_live = p.shape[1] if mode == "replace" else n_live + p.shape[1]
+            blk = v.blocks[i]
+            h = checkpoint(blk, h, use_reentrant=False) if ckpt else blk(h)
+        return v.norm(h)
+
+    def forward(self, x: Tensor, prompts: Mapping[int, Tensor] | None = None, mode: str = "insert") -> Tensor:
+        """CLS feature (B, D) of the prompted backbone."""
+        return self.cls_token(self.forward_tokens(x, prompts, mode))

@@ -1,0 +1,233 @@
+"""Load, validate and resolve the pipeline configuration.
+
+Two axes (DESIGN.md): experiments (config/experiments/<paper>.yaml, written at paper scale) and scales
+(config/scales/<scale>.yaml, mapping each experiment onto concrete data, backbone and budget). Everything
+is validated before any job runs; an error names the file, the key and the allowed values.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+CONFIG_DIR = "config"
+TRAIN_KEYS = ("dataset", "backbone", "partition", "federation", "optimizer", "evaluation")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before any work is done."""
+
+
+def read_yaml(path: Path) -> dict:
+    """A YAML mapping, with a clear error for a missing or malformed file."""
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """``base`` updated recursively by ``override`` (neither is modified)."""
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def _schema(root: Path) -> dict:
+    """The JSON schema document."""
+    return read_yaml(root / CONFIG_DIR / "schema.yaml")
+
+
+def _format_path(path) -> str:
+    """'a.b[2].c' from a jsonschema error path."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "<top level>"
+
+
+def _allowed_hint(error: jsonschema.ValidationError) -> str:
+    """The allowed values or keys for an error, when the schema says."""
+    if error.validator == "enum":
+        return f"; allowed values: {error.validator_value}"
+    if error.validator == "additionalProperties" and "properties" in error.schema:
+        return f"; allowed keys: {sorted(error.schema['properties'])}"
+    return ""
+
+
+def validate(instance: Any, schema_doc: dict, definition: str, where: str) -> None:
+    """Validate ``instance`` against ``$defs/definition``; raise ConfigError naming the key and allowed values."""
+    schema = {"$ref": f"#/$defs/{definition}", "$defs": schema_doc["$defs"]}
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(instance), key=lambda e: list(e.path))
+    if errors:
+        e = errors[0]
+        raise ConfigError(f"config error in {where} at {_format_path(e.absolute_path)}: {e.message}{_allowed_hint(e)}")
+
+
+def _check_name(value: str, allowed, where: str, key: str) -> None:
+    """A name must be one of the allowed ones."""
+    if value not in allowed:
+        raise ConfigError(f"config error in {where} at {key}: {value!r} is not one of {sorted(allowed)}")
+
+
+def apply_defaults(config: dict) -> dict:
+    """The top-level config with schema defaults filled in."""
+    defaults = {"device": "auto", "results": "results", "resources": "resources", "threads_per_run": 1}
+    return {**defaults, **config}
+
+
+@dataclass
+class Resolved:
+    """The validated configuration with every experiment mapped onto the chosen scale."""
+
+    root: Path
+    top: dict
+    experiments: dict[str, dict] = field(default_factory=dict)
+    tables: dict[str, dict] = field(default_factory=dict)
+    figures: dict[str, dict] = field(default_factory=dict)
+    backbones: dict[str, dict] = field(default_factory=dict)
+    checksums_path: Path | None = None
+
+    @property
+    def scale(self) -> str:
+        """mini | paper."""
+        return self.top["scale"]
+
+    @property
+    def seeds(self) -> list[int]:
+        """Seeds to run."""
+        return list(self.top["seeds"])
+
+    def runs(self) -> list[dict[str, Any]]:
+        """One dict per training run: experiment, method, seed."""
+        return [{"experiment": e, "method": m, "seed": s}
+                for e, exp in self.experiments.items() for m in exp["methods"] for s in self.seeds]
+
+    def datasets(self) -> list[str]:
+        """Concrete datasets needed by the experiments."""
+        return sorted({exp["dataset"] for exp in self.experiments.values()})
+
+    def backbones_needed(self) -> list[str]:
+        """Concrete backbones needed by the experiments."""
+        return sorted({exp["backbone"] for exp in self.experiments.values()})
+
+    def partitions(self) -> dict[tuple[str, str], dict]:
+        """(dataset, partition id) -> validated partition spec."""
+        return {(exp["dataset"], exp["partition_id"]): exp["partition"] for exp in self.experiments.values()}
+
+    def train_params(self, experiment: str, method: str) -> dict[str, Any]:
+        """Only what one run depends on, so editing another experiment or method reruns nothing here."""
+        exp = self.experiments[experiment]
+        out = {k: copy.deepcopy(exp[k]) for k in TRAIN_KEYS}
+        out["method_params"] = copy.deepcopy(exp.get("method_params", {}).get(method, {}))
+        out["final_window"] = exp["report"].get("rounds", 1) if exp["report"]["window"] == "last" else 1
+        out["paper"] = exp["paper"]
+        return out
+
+    def report_view(self) -> dict[str, dict]:
+        """Experiments as the report step needs them (methods and report window)."""
+        return {e: {"methods": list(x["methods"]), "report": dict(x["report"]), "paper": x["paper"]}
+                for e, x in self.experiments.items()}
+
+
+def load_config(config: dict, root: str | Path = ".") -> Resolved:
+    """Validate the top-level config, load the papers' experiments and map them onto the scale."""
+    from fedcore.methods import METHODS
+    from fedcore.partition import partition_id, validate_spec
+    from fedcore.data.registry import DATASETS
+
+    root = Path(root)
+    schema = _schema(root)
+    top = apply_defaults(dict(config))
+    validate(top, schema, "top", "the top-level config (config/config.yaml or --config)")
+
+    backbones_file = root / CONFIG_DIR / "backbones.yaml"
+    backbones = read_yaml(backbones_file)
+    for name, entry in backbones.items():
+        validate(entry, schema, "backbone_entry", f"{backbones_file} ({name})")
+
+    scale_file = root / CONFIG_DIR / "scales" / f"{top['scale']}.yaml"
+    scale = read_yaml(scale_file)
+    validate(scale, schema, "scale_file", str(scale_file))
+    for logical, concrete in scale["datasets"].items():
+        _check_name(concrete, DATASETS, str(scale_file), f"datasets.{logical}")
+    for logical, concrete in scale["backbones"].items():
+        _check_name(concrete, backbones, str(scale_file), f"backbones.{logical}")
+
+    resolved = Resolved(root=root, top=top, backbones=backbones, checksums_path=root / CONFIG_DIR / "checksums.yaml")
+    for paper in top["papers"]:
+        exp_file = root / CONFIG_DIR / "experiments" / f"{paper}.yaml"
+        doc = read_yaml(exp_file)
+        validate(doc, schema, "experiment_file", str(exp_file))
+        for name, exp in doc["experiments"].items():
+            if name in resolved.experiments:
+                raise ConfigError(f"experiment {name!r} in {exp_file} is defined twice")
+            where = f"{exp_file} (experiment {name})"
+            _check_name(exp["dataset"], scale["datasets"], where, "dataset")
+            _check_name(exp["backbone"], scale["backbones"], where, "backbone")
+            for i, m in enumerate(exp["methods"]):
+                _check_name(m, METHODS, where, f"methods[{i}]")
+            for m in exp.get("method_params", {}):
+                _check_name(m, exp["methods"], where, f"method_params.{m}")
+            resolved.experiments[name] = _resolve_experiment(name, exp, doc["paper"], scale, scale_file,
+                                                             validate_spec, partition_id)
+        for name, table in doc.get("tables", {}).items():
+            _check_table(name, table, resolved.experiments, exp_file)
+            resolved.tables[name] = table
+        for name, fig in doc.get("figures", {}).items():
+            for i, e in enumerate(fig["experiments"]):
+                _check_name(e, resolved.experiments, f"{exp_file} (figure {name})", f"experiments[{i}]")
+            resolved.figures[name] = fig
+    for name in scale.get("experiments", {}):
+        _check_name(name, resolved.experiments, str(scale_file), "experiments")
+    return resolved
+
+
+def _resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_file: Path,
+                        validate_spec, partition_id) -> dict:
+    """Map one experiment onto the scale: concrete dataset/backbone, budget, per-experiment overrides."""
+    out = copy.deepcopy(exp)
+    out["paper"] = paper
+    out.setdefault("evaluation", {})
+    out["evaluation"].setdefault("global_test", "pooled_local")
+    out["federation"] = deep_merge(out["federation"], scale.get("federation", {}))
+    out = deep_merge(out, scale.get("experiments", {}).get(name, {}))
+    out["dataset_logical"], out["dataset"] = exp["dataset"], scale["datasets"][exp["dataset"]]
+    out["backbone"] = scale["backbones"][exp["backbone"]]
+    missing = [k for k in ("rounds", "participation", "local_epochs", "batch_size") if k not in out["federation"]]
+    if missing:
+        raise ConfigError(f"experiment {name}: federation is missing {missing} after applying {scale_file}")
+    try:
+        out["partition"] = validate_spec(out["partition"])
+    except ValueError as e:
+        raise ConfigError(f"config error in experiment {name} at partition: {e}") from e
+    out["partition_id"] = partition_id(out["partition"])
+    window = out["report"]
+    if window["window"] == "last" and window.get("rounds", 1) > out["federation"]["rounds"]:
+        raise ConfigError(f"experiment {name}: report.rounds={window['rounds']} exceeds federation.rounds="
+                          f"{out['federation']['rounds']}")
+    return out
+
+
+def _check_table(name: str, table: dict, experiments: dict, exp_file: Path) -> None:
+    """Every column names a known experiment; every paper row has one value per column."""
+    where = f"{exp_file} (table {name})"
+    for i, col in enumerate(table["columns"]):
+        _check_name(col["experiment"], experiments, where, f"columns[{i}].experiment")
+        if col["metric"] == "client_acc" and "client" not in col:
+            raise ConfigError(f"config error in {where} at columns[{i}]: metric client_acc needs a 'client' key")
+    for row, values in table["paper"].items():
+        _check_name(row, table["rows"], where, f"paper.{row}")
+        if len(values) != len(table["columns"]):
+            raise ConfigError(f"config error in {where} at paper.{row}: {len(values)} values for "
+                              f"{len(table['columns'])} columns")

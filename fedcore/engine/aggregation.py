@@ -1,0 +1,38 @@
+"""Server-side arithmetic shared by methods: weighted averaging and server momentum."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+
+def normalized_weights(weights: Sequence[float]) -> list[float]:
+    """Weights scaled to sum to one; a clear error for an empty or all-zero list."""
+    total = float(sum(weights))
+    if not weights or total <= 0:
+        raise ValueError(f"aggregation weights must be non-empty with a positive sum, got {list(weights)}")
+    return [float(w) / total for w in weights]
+
+
+def weighted_average(states: Sequence[Mapping[str, Any]], weights: Sequence[float],
+                     names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """Sum_i w_i * state_i[name] over the named subset (all keys of the first state by default)."""
+    if not states:
+        raise ValueError("weighted_average needs at least one state")
+    w = normalized_weights(weights)
+    names = list(names) if names is not None else list(states[0])
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        acc = torch.zeros_like(states[0][name], dtype=torch.float64)
+        for wi, s in zip(w, states):
+            acc += wi * s[name].to(torch.float64)
+        out[name] = acc.to(states[0][name].dtype)
+    return out
+
+
+def server_momentum(previous: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor],
+                    beta: float) -> dict[str, torch.Tensor]:
+    """Exponential moving average beta * previous + (1 - beta) * current (SGPT Eq. 7)."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"momentum must lie in [0, 1], got {beta}")
+    return {n: beta * previous[n] + (1.0 - beta) * current[n] for n in current}

@@ -1,0 +1,48 @@
+"""Client data kept on the device as uint8; batches are converted (resize, normalise) on the device."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from fedcore.backbones.images import to_model_input
+from fedcore.data.arrays import ArrayDataset
+
+
+@dataclass
+class DeviceSplit:
+    """One split's images (uint8 NHWC) and labels, resident on the run's device."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    @classmethod
+    def from_arrays(cls, ds: ArrayDataset, device: torch.device) -> "DeviceSplit":
+        """Move a split to the device once; every batch after that is an index into it."""
+        return cls(torch.from_numpy(np.ascontiguousarray(ds.x)).to(device),
+                   torch.from_numpy(ds.y).to(device))
+
+
+class InputPipeline:
+    """Turns uint8 image batches into the backbone's input (size, mean/std)."""
+
+    def __init__(self, img_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        self.img_size, self.mean, self.std = img_size, mean, std
+
+    def __call__(self, x_uint8: torch.Tensor) -> torch.Tensor:
+        """Model input for a uint8 (B,H,W,3) batch."""
+        return to_model_input(x_uint8, self.img_size, self.mean, self.std)
+
+
+def iterate_batches(split: DeviceSplit, indices: torch.Tensor, batch_size: int, pipeline: InputPipeline,
+                    generator: torch.Generator | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches over ``indices``, shuffled by ``generator`` when given (training), in order otherwise."""
+    if generator is not None:
+        order = indices[torch.randperm(len(indices), generator=generator).to(indices.device)]
+    else:
+        order = indices
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        yield pipeline(split.x[idx]), split.y[idx]

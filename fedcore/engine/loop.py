@@ -1,0 +1,172 @@
+"""The round loop: sample, update locally, aggregate, evaluate, checkpoint. Methods plug into it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
+from fedcore.engine.evaluate import EvalSets, evaluate_round
+from fedcore.engine.sampling import sample_clients, stream_seed
+from fedcore.io import atomic_path
+from fedcore.methods.base import ClientData, Method, TrainSettings
+
+log = logging.getLogger(__name__)
+
+IDENTITY_COLUMNS = ["paper", "experiment", "method", "scale", "dataset", "seed"]
+METRIC_COLUMNS = IDENTITY_COLUMNS + ["round", "client", "split", "metric", "value"]
+
+
+@dataclass
+class RunSpec:
+    """Everything about one run that the engine needs besides data, model and method."""
+
+    identity: dict[str, Any]          # paper, experiment, method, scale, dataset, seed
+    federation: dict[str, Any]        # rounds, participation, local_epochs, batch_size
+    optimizer: dict[str, Any]
+    evaluation: dict[str, Any] = field(default_factory=dict)  # global_test, every, batch_size
+    final_window: int = 1             # the last rounds are always evaluated (the report window)
+
+    @property
+    def seed(self) -> int:
+        """The run's seed."""
+        return int(self.identity["seed"])
+
+    def fingerprint(self) -> str:
+        """Hash of the settings that determine the run's numbers (a checkpoint must match it to resume)."""
+        blob = json.dumps([self.identity, self.federation, self.optimizer, self.evaluation, self.final_window],
+                          sort_keys=True, default=str)
+        return hashlib.sha1(blob.encode()).hexdigest()
+
+    def evaluated(self, round_idx: int) -> bool:
+        """Whether round ``round_idx`` (1-indexed) is evaluated."""
+        rounds = int(self.federation["rounds"])
+        every = int(self.evaluation.get("every", 1))
+        return round_idx > rounds - self.final_window or round_idx % every == 0
+
+
+@dataclass
+class RunResult:
+    """A finished run: its metrics and final model state."""
+
+    metrics: pd.DataFrame
+    global_state: dict[str, torch.Tensor]
+    personal_states: dict[int, dict[str, torch.Tensor]]
+    server_state: dict[str, Any]
+
+
+class Checkpoint:
+    """Per-round resume state, written atomically; ignored (with a warning) if its run settings differ."""
+
+    def __init__(self, path: str | Path | None, fingerprint: str) -> None:
+        self.path = Path(path) if path else None
+        self.fingerprint = fingerprint
+
+    def load(self) -> dict | None:
+        """The saved state, or None to start fresh."""
+        if self.path is None or not self.path.exists():
+            return None
+        state = torch.load(self.path, map_location="cpu", weights_only=False)
+        if state.get("fingerprint") != self.fingerprint:
+            log.warning("checkpoint %s was written for other settings; starting from round 1", self.path)
+            return None
+        return state
+
+    def save(self, state: dict) -> None:
+        """Write the state atomically (a kill mid-write leaves the previous checkpoint intact)."""
+        if self.path is None:
+            return
+        with atomic_path(self.path, suffix=".pt") as tmp:
+            torch.save({**state, "fingerprint": self.fingerprint}, tmp)
+
+
+def _to_device(state: dict, device: torch.device) -> dict:
+    """Move a (possibly nested) state of tensors to ``device``."""
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: _to_device(v, device) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to_device(v, device) for v in state]
+    return state
+
+
+def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_train: list[torch.Tensor],
+                  eval_sets: EvalSets, pipeline: InputPipeline, spec: RunSpec,
+                  checkpoint_path: str | Path | None = None, stop_after_round: int | None = None,
+                  progress: bool = True) -> RunResult | None:
+    """Run (or resume) a federated training; None if stopped early by ``stop_after_round``."""
+    fed = spec.federation
+    rounds, num_clients = int(fed["rounds"]), len(client_train)
+    settings = TrainSettings(int(fed["local_epochs"]), int(fed["batch_size"]), dict(spec.optimizer))
+    eval_bs = int(spec.evaluation.get("batch_size", 4 * settings.batch_size))
+    device = train.x.device
+    ckpt = Checkpoint(checkpoint_path, spec.fingerprint())
+
+    shared, personal = method.shared_names(), method.personal_names()
+    init_personal = method.get_state(personal)
+    state = ckpt.load()
+    if state is None:
+        state = {"round": 0, "global": method.get_state(shared), "personal": {},
+                 "server": method.init_server_state(), "rows": []}
+    else:
+        state = _to_device(state, device)
+        log.info("resuming from round %d of %d", state["round"], rounds)
+
+    bar = tqdm(range(state["round"] + 1, rounds + 1), disable=not progress, desc=spec.identity["method"],
+               initial=state["round"], total=rounds)
+    for r in bar:
+        selected = list(range(num_clients)) if method.train_all_clients else \
+            sample_clients(num_clients, float(fed["participation"]), spec.seed, r)
+        uploads, weights, losses = [], [], []
+        for c in selected:
+            method.set_state(state["global"])
+            method.set_state(state["personal"].get(c, init_personal))
+            torch.manual_seed(stream_seed(spec.seed, r, c, 1))  # any method-internal randomness
+            gen = torch.Generator(device="cpu").manual_seed(stream_seed(spec.seed, r, c, 0))
+            idx = client_train[c]
+            data = ClientData(c, len(idx), lambda idx=idx, gen=gen: iterate_batches(
+                train, idx, settings.batch_size, pipeline, gen), gen)
+            stats = method.local_update(data, settings)
+            if personal:
+                state["personal"][c] = method.get_state(personal)
+            if shared:
+                uploads.append(method.upload(data, stats))
+                weights.append(float(len(idx)))
+            losses.append(stats.get("loss", float("nan")))
+            state["rows"].append((r, c, "train", "loss", float(stats.get("loss", float("nan")))))
+        if uploads:
+            state["global"] = method.aggregate(state["global"], uploads, weights, state["server"])
+        state["rows"].append((r, -1, "train", "loss", float(sum(losses) / len(losses))))
+        if spec.evaluated(r):
+            personal_states = {c: state["personal"].get(c, init_personal) for c in range(num_clients)}
+            for client, split, metric, value in evaluate_round(method, eval_sets, pipeline, eval_bs,
+                                                               state["global"], personal_states):
+                state["rows"].append((r, client, split, metric, value))
+                if client == -1 and split == "global":
+                    bar.set_postfix(global_acc=f"{value:.3f}")
+        state["round"] = r
+        ckpt.save(state)
+        if stop_after_round is not None and r >= stop_after_round and r < rounds:
+            return None
+    method.set_state(state["global"])
+    return RunResult(metrics_frame(state["rows"], spec.identity), state["global"], state["personal"],
+                     state["server"])
+
+
+def metrics_frame(rows: list[tuple], identity: dict[str, Any]) -> pd.DataFrame:
+    """Long-form metrics with the run identity on every row, in the schema's column order and dtypes."""
+    df = pd.DataFrame(rows, columns=["round", "client", "split", "metric", "value"])
+    for k in reversed(IDENTITY_COLUMNS):
+        df.insert(0, k, identity[k])
+    df = df.astype({"paper": str, "experiment": str, "method": str, "scale": str, "dataset": str,
+                    "seed": "int64", "round": "int64", "client": "int64", "split": str, "metric": str,
+                    "value": "float64"})
+    return df[METRIC_COLUMNS]

@@ -1,0 +1,35 @@
+"""Method registry: one module per method under fedcore/methods/, found by name."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from fedcore.methods.base import Method
+
+#: method name -> module name under fedcore.methods (one file per method)
+METHODS: dict[str, str] = {
+    "local": "local",
+    "fedavg": "fedavg",
+    "head_tune": "head_tune",
+    "fedvpt": "fedvpt",
+    "fedvpt_d": "fedvpt_d",
+}
+
+
+def method_class(name: str) -> type[Method]:
+    """The Method subclass registered under ``name``."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known methods: {sorted(METHODS)}")
+    module = importlib.import_module(f"fedcore.methods.{METHODS[name]}")
+    classes = [c for c in vars(module).values()
+               if isinstance(c, type) and issubclass(c, Method) and getattr(c, "name", None) == name]
+    if len(classes) != 1:
+        raise RuntimeError(f"fedcore/methods/{METHODS[name]}.py must define exactly one Method named {name!r}")
+    return classes[0]
+
+
+def method_source(name: str) -> Path:
+    """The file that holds only this method's code (a Snakemake input, so edits rerun its jobs)."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known methods: {sorted(METHODS)}")
+    return Path(__file__).parent / f"{METHODS[name]}.py"

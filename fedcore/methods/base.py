@@ -1,0 +1,183 @@
+"""The method interface: what a federated method may change, and sensible defaults for the rest.
+
+Modelled on Flower's strategy: the engine owns sampling, the round loop, evaluation, seeding and
+checkpoints; a method overrides only the steps where it differs:
+
+* ``build``            - the trainable model around the frozen backbone;
+* ``shared_names`` / ``personal_names`` - which trainable tensors go to the server and which stay
+  with the client across rounds;
+* ``local_update``     - the client's training in one round (losses, phases);
+* ``upload``           - what the client sends (default: its shared tensors);
+* ``aggregate``        - what the server does with the uploads (default: sample-weighted average);
+* ``predict``          - logits at evaluation time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator
+
+import torch
+from torch import nn
+
+from fedcore.backbones.prompted import PromptedViT, init_prompts
+from fedcore.engine.aggregation import weighted_average
+
+Batches = Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]
+
+
+@dataclass
+class ClientData:
+    """One client's training data as the engine hands it to ``local_update``."""
+
+    cid: int
+    num_samples: int
+    batches: Batches  # a fresh, seeded pass over the client's data (one epoch) on each call
+    generator: torch.Generator  # for any other randomness of this client in this round
+
+
+@dataclass
+class TrainSettings:
+    """The budget and optimiser of a local update (from the experiment's federation/optimizer)."""
+
+    local_epochs: int
+    batch_size: int
+    optimizer: dict = field(default_factory=dict)
+
+
+class PromptClassifier(nn.Module):
+    """Frozen prompted ViT + optional shallow/deep prompts + a linear head on the CLS token."""
+
+    def __init__(self, backbone: PromptedViT, num_classes: int, prompt_mode: str = "none",
+                 num_prompts: int = 0) -> None:
+        super().__init__()
+        self.backbone = backbone
+        dim, depth, patch = backbone.embed_dim, backbone.depth, backbone.patch_size
+        self.prompt_mode = prompt_mode
+        if prompt_mode == "none":
+            self.prompts = nn.ParameterList()
+        elif prompt_mode == "shallow":
+            self.prompts = nn.ParameterList([init_prompts(num_prompts, dim, patch)])
+        elif prompt_mode == "deep":
+            self.prompts = nn.ParameterList([init_prompts(num_prompts, dim, patch) for _ in range(depth)])
+        else:
+            raise ValueError(f"prompt_mode must be none|shallow|deep, got {prompt_mode!r}")
+        self.head = nn.Linear(dim, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """CLS feature after the final norm, with this model's prompts inserted."""
+        prompts = {i: p for i, p in enumerate(self.prompts)}
+        mode = "replace" if self.prompt_mode == "deep" else "insert"
+        return self.backbone.forward_tokens(x, prompts, mode=mode)[:, 0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits."""
+        return self.head(self.features(x))
+
+
+def make_optimizer(params: list[nn.Parameter], cfg: dict) -> torch.optim.Optimizer:
+    """The experiment's optimiser over ``params`` (fresh per client and round, as the papers' code does)."""
+    name = cfg.get("name", "sgd")
+    lr = cfg.get("lr", 0.01)
+    wd = cfg.get("weight_decay", 0.0)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.get("momentum", 0.0), weight_decay=wd)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=wd)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
+    raise ValueError(f"optimizer.name must be sgd|adam|adamw, got {name!r}")
+
+
+class Method:
+    """Base federated method: FedAvg over every trainable tensor of a head-only model."""
+
+    name: ClassVar[str] = "base"
+    #: evaluate each client's own model (shared + personal tensors) instead of one global model
+    personalized: ClassVar[bool] = False
+    #: train every client every round regardless of participation (Local)
+    train_all_clients: ClassVar[bool] = False
+    #: default method parameters; the experiment's ``method_params[name]`` overrides them
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, backbone: PromptedViT, num_classes: int, params: dict | None = None) -> None:
+        unknown = set(params or {}) - set(self.defaults)
+        if unknown:
+            raise ValueError(f"method_params.{self.name}: unknown key(s) {sorted(unknown)}; "
+                             f"allowed: {sorted(self.defaults)}")
+        self.params = {**self.defaults, **(params or {})}
+        self.backbone = backbone
+        self.num_classes = num_classes
+        self.model = self.build()
+
+    # ---- what exists and who owns it ---------------------------------------------------------
+    def build(self) -> nn.Module:
+        """The model holding every trainable tensor (the frozen backbone is shared, not copied)."""
+        return PromptClassifier(self.backbone, self.num_classes)
+
+    def trainable_names(self) -> list[str]:
+        """Names of the model's trainable tensors, in a fixed order."""
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def shared_names(self) -> list[str]:
+        """Tensors sent to and aggregated by the server (default: all trainable)."""
+        return self.trainable_names()
+
+    def personal_names(self) -> list[str]:
+        """Tensors each client keeps across rounds (default: none)."""
+        return []
+
+    # ---- state plumbing (engine uses these) --------------------------------------------------
+    def get_state(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Detached copies of the named tensors."""
+        params = dict(self.model.named_parameters())
+        return {n: params[n].detach().clone() for n in names}
+
+    def set_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy tensors into the model in place."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, v in state.items():
+                params[n].copy_(v)
+
+    def init_server_state(self) -> dict[str, Any]:
+        """Server-side state beyond the global tensors (momentum buffers, counters)."""
+        return {}
+
+    # ---- the round's steps -------------------------------------------------------------------
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Training loss of one batch."""
+        return nn.functional.cross_entropy(self.model(x), y)
+
+    def local_update(self, data: ClientData, settings: TrainSettings) -> dict[str, float]:
+        """Train the trainable tensors for ``local_epochs`` epochs; return stats (mean loss)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return self.run_epochs(params, data, settings, settings.local_epochs, self.loss)
+
+    def run_epochs(self, params: list[nn.Parameter], data: ClientData, settings: TrainSettings,
+                   epochs: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """Plain minibatch training of ``params`` with a fresh optimiser (a helper for overrides)."""
+        opt = make_optimizer(params, settings.optimizer)
+        total, count = 0.0, 0
+        for _ in range(epochs):
+            for x, y in data.batches():
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(x, y)
+                loss.backward()
+                opt.step()
+                total += float(loss.detach()) * len(y)
+                count += len(y)
+        return {"loss": total / max(count, 1)}
+
+    def upload(self, data: ClientData, stats: dict[str, float]) -> dict[str, Any]:
+        """What the client sends to the server after its update."""
+        return self.get_state(self.shared_names())
+
+    def aggregate(self, global_state: dict[str, torch.Tensor], uploads: list[dict[str, Any]],
+                  weights: list[float], server_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """New global tensors from the uploads (default: sample-size-weighted average)."""
+        return weighted_average(uploads, weights, names=list(global_state))
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits at evaluation time."""
+        return self.model(x)

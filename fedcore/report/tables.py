@@ -1,0 +1,418 @@
+"""Build the papers' tables from the aggregated metrics and write them as Markdown, LaTeX and CSV.
+
+`build_table` returns one row per table cell (long form), in table order (rows, then columns):
+
+    row, row_label        method key and its display label
+    column, col_index     the column's label and 0-based position
+    experiment, metric, client, window    what the cell measures (client -1 = aggregate over clients)
+    ours, ours_std        our number in % (mean over seeds of each seed's windowed value; std over
+                          seeds with ddof=1, NaN with one seed); NaN when there is no number
+    n_seeds               seeds behind `ours` (0 when none)
+    rounds_used           fewest evaluated rounds any seed contributed to its window (<NA> if none)
+    short_window          some seed had fewer evaluated rounds than the window needs (marked †)
+    incomplete            some seed's run ended before the experiment's configured rounds (marked ‡)
+    paper                 the paper's number in % (NaN = the paper has no such cell)
+    diff                  ours − paper in percentage points; only at scale 'paper', NaN otherwise
+    status                ok | not implemented | not configured | missing run | missing metric
+    scale, paper_role     the scale, and 'target' (paper) or 'layout reference only' (mini)
+
+The CSV written by `write_table` is exactly this frame, so it stays machine-readable.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from fedcore.io import atomic_path
+
+OK = "ok"
+NOT_IMPLEMENTED = "not implemented"
+NOT_CONFIGURED = "not configured"
+MISSING_RUN = "missing run"
+MISSING_METRIC = "missing metric"
+
+SHORT_MARK = "†"
+INCOMPLETE_MARK = "‡"
+NO_PAPER = "—"
+
+# Table metric shorthand -> (split, client, metric) in the long-form metrics.
+METRIC_KEYS: dict[str, tuple[str, int, str]] = {
+    "global_acc": ("global", -1, "acc"),
+    "local_acc": ("local", -1, "acc_mean"),
+    "worst_local_acc": ("local", -1, "acc_worst"),
+}
+
+PAPER_ROLE = {"paper": "target", "mini": "layout reference only (data and backbone differ)"}
+
+MINI_NOTE = (
+    "Scale mini: our numbers come from the embedded analogue datasets and a tiny pretrained backbone; "
+    "the paper's numbers are a reference for layout only (data and backbone differ), "
+    "so no difference is computed."
+)
+PAPER_NOTE = "Scale paper: Δ = ours − paper, in percentage points."
+
+STATUS_NOTES = {
+    NOT_IMPLEMENTED: "not implemented = fedcore has no such method yet",
+    NOT_CONFIGURED: "not configured = the method is not in the experiment's methods",
+    MISSING_RUN: "missing run = configured, but no metrics were found for it",
+    MISSING_METRIC: "missing metric = the run exists but never wrote this metric",
+}
+
+TABLE_COLUMNS = [
+    "row", "row_label", "column", "col_index", "experiment", "metric", "client", "window",
+    "ours", "ours_std", "n_seeds", "rounds_used", "short_window", "incomplete",
+    "paper", "diff", "status", "scale", "paper_role",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Numbers
+# ----------------------------------------------------------------------------------------------
+
+def metric_key(col: dict) -> tuple[str, int, str]:
+    """Map a table column's metric shorthand to (split, client, metric)."""
+    name = col["metric"]
+    if name == "client_acc":
+        if "client" not in col:
+            raise ValueError(f"column {col.get('label')!r}: metric client_acc needs a 'client' key")
+        return ("local", int(col["client"]), "acc")
+    if name not in METRIC_KEYS:
+        raise ValueError(f"column {col.get('label')!r}: unknown metric {name!r}; "
+                         f"expected one of {sorted(METRIC_KEYS) + ['client_acc']}")
+    return METRIC_KEYS[name]
+
+
+def check_report(report: dict) -> tuple[str, int | None]:
+    """Validate an experiment's report block and return (window, rounds)."""
+    window = report.get("window")
+    if window == "best":
+        return "best", None
+    if window == "last":
+        rounds = report.get("rounds")
+        if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+            raise ValueError(f"report window 'last' needs an integer rounds >= 1, got {rounds!r}")
+        return "last", rounds
+    raise ValueError(f"unknown report window {window!r}; expected 'last' or 'best'")
+
+
+def describe_window(report: dict) -> str:
+    """Human-readable window, e.g. 'last 10' or 'best'."""
+    window, rounds = check_report(report)
+    return "best" if window == "best" else f"last {rounds}"
+
+
+def window_value(per_round: pd.Series, report: dict) -> tuple[float, int, bool]:
+    """Windowed value of one seed's per-round series: (value, rounds used, window was short)."""
+    window, rounds = check_report(report)
+    per_round = per_round.sort_index()
+    if window == "best":
+        return float(per_round.max()), len(per_round), False
+    tail = per_round.iloc[-rounds:]
+    # Fewer evaluated rounds than the window: use what exists, but say so (flag), never pad.
+    return float(tail.mean()), len(tail), len(tail) < rounds
+
+
+def seed_values(rows: pd.DataFrame, report: dict) -> pd.DataFrame:
+    """Per-seed windowed values (value, rounds_used, short) from one cell's metric rows."""
+    out = []
+    for seed, grp in rows.groupby("seed", sort=True):
+        if grp["round"].duplicated().any():
+            raise ValueError(f"seed {seed}: more than one value per round for "
+                             f"{grp.iloc[0][['experiment', 'method', 'split', 'client', 'metric']].to_dict()}")
+        value, used, short = window_value(grp.set_index("round")["value"], report)
+        out.append({"seed": seed, "value": value, "rounds_used": used, "short": short})
+    return pd.DataFrame(out, columns=["seed", "value", "rounds_used", "short"])
+
+
+def mean_std(values: pd.Series) -> tuple[float, float]:
+    """Mean and sample std (ddof=1) over seeds; std is NaN with a single seed."""
+    values = values.astype(float)
+    std = float(values.std(ddof=1)) if len(values) > 1 else math.nan
+    return float(values.mean()), std
+
+
+def _incomplete(run: pd.DataFrame, experiment: dict) -> bool:
+    """True when some seed's run ends before the experiment's configured number of rounds."""
+    rounds = (experiment.get("federation") or {}).get("rounds")
+    if rounds is None:
+        return False
+    last = run.groupby("seed")["round"].max()
+    return bool((last < int(rounds)).any())
+
+
+# ----------------------------------------------------------------------------------------------
+# build_table
+# ----------------------------------------------------------------------------------------------
+
+def _paper_numbers(table_cfg: dict, row: str) -> list[float | None]:
+    """The paper's numbers for one row, one per column (None = no such cell)."""
+    n_cols = len(table_cfg["columns"])
+    values = (table_cfg.get("paper") or {}).get(row)
+    if values is None:
+        return [None] * n_cols
+    if len(values) != n_cols:
+        raise ValueError(f"paper row {row!r} has {len(values)} numbers for {n_cols} columns")
+    return [None if v is None else float(v) for v in values]
+
+
+def _run_rows(metrics: pd.DataFrame, experiment: str, exp_cfg: dict, method: str, scale: str) -> pd.DataFrame:
+    """All metric rows of one (experiment, method, scale), all seeds."""
+    mask = (metrics["experiment"] == experiment) & (metrics["method"] == method) & (metrics["scale"] == scale)
+    if "paper" in exp_cfg:
+        mask &= metrics["paper"] == exp_cfg["paper"]
+    return metrics.loc[mask]
+
+
+def _cell_status(method: str, exp_cfg: dict, run: pd.DataFrame, rows: pd.DataFrame,
+                 implemented: set[str]) -> str:
+    """Why a cell has (or lacks) a number."""
+    if method not in implemented:
+        return NOT_IMPLEMENTED
+    if method not in exp_cfg.get("methods", []):
+        return NOT_CONFIGURED
+    if run.empty:
+        return MISSING_RUN
+    if rows.empty:
+        return MISSING_METRIC
+    return OK
+
+
+def build_cell(metrics: pd.DataFrame, method: str, col: dict, exp_cfg: dict, scale: str,
+               implemented: set[str]) -> dict[str, Any]:
+    """Compute one cell: our number (or the reason there is none) and its provenance."""
+    split, client, metric = metric_key(col)
+    run = _run_rows(metrics, col["experiment"], exp_cfg, method, scale)
+    rows = run.loc[(run["split"] == split) & (run["client"] == client) & (run["metric"] == metric)]
+    cell: dict[str, Any] = {
+        "experiment": col["experiment"], "metric": col["metric"], "client": client,
+        "window": describe_window(exp_cfg["report"]), "ours": math.nan, "ours_std": math.nan,
+        "n_seeds": 0, "rounds_used": pd.NA, "short_window": False, "incomplete": False,
+        "status": _cell_status(method, exp_cfg, run, rows, implemented),
+    }
+    if cell["status"] != OK:
+        return cell
+    per_seed = seed_values(rows, exp_cfg["report"])
+    mean, std = mean_std(per_seed["value"])
+    cell.update(
+        ours=100.0 * mean, ours_std=100.0 * std, n_seeds=len(per_seed),
+        rounds_used=int(per_seed["rounds_used"].min()), short_window=bool(per_seed["short"].any()),
+        incomplete=_incomplete(run, exp_cfg),
+    )
+    return cell
+
+
+def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, dict], scale: str,
+                implemented_methods: set[str]) -> pd.DataFrame:
+    """One row per table cell, in table order, with our number, the paper's, the diff and a status."""
+    if scale not in PAPER_ROLE:
+        raise ValueError(f"unknown scale {scale!r}; expected one of {sorted(PAPER_ROLE)}")
+    for col in table_cfg["columns"]:
+        if col["experiment"] not in experiments:
+            raise ValueError(f"column {col.get('label')!r}: unknown experiment {col['experiment']!r}")
+        metric_key(col)  # fail on a bad metric before any work
+        check_report(experiments[col["experiment"]].get("report") or {})
+    labels = table_cfg.get("row_labels") or {}
+    records = []
+    for row in table_cfg["rows"]:
+        paper = _paper_numbers(table_cfg, row)
+        for j, col in enumerate(table_cfg["columns"]):
+            cell = build_cell(metrics, row, col, experiments[col["experiment"]], scale, implemented_methods)
+            paper_j = math.nan if paper[j] is None else paper[j]
+            diff = cell["ours"] - paper_j if scale == "paper" else math.nan
+            records.append({"row": row, "row_label": labels.get(row, row), "column": col["label"],
+                            "col_index": j, **cell, "paper": paper_j, "diff": diff,
+                            "scale": scale, "paper_role": PAPER_ROLE[scale]})
+    table = pd.DataFrame.from_records(records, columns=TABLE_COLUMNS)
+    return table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64",
+                         "rounds_used": "Int64", "ours": "float64", "ours_std": "float64",
+                         "paper": "float64", "diff": "float64", "short_window": "bool",
+                         "incomplete": "bool"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendering (plain text with Unicode marks; the LaTeX renderer translates them)
+# ----------------------------------------------------------------------------------------------
+
+def _fmt(x: float, signed: bool = False) -> str:
+    """A number with 2 decimals, or the no-number dash."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return NO_PAPER
+    return f"{x:+.2f}" if signed else f"{x:.2f}"
+
+
+def _typical_seeds(table: pd.DataFrame) -> int:
+    """The most common seed count among cells with a number (0 if none)."""
+    counts = table.loc[table["status"] == OK, "n_seeds"]
+    return int(counts.mode().max()) if len(counts) else 0
+
+
+def _best_mask(table: pd.DataFrame) -> pd.Series:
+    """Cells holding the best of our numbers in their column (ties all count; compared as shown)."""
+    shown = table["ours"].round(2)
+    best = shown.groupby(table["col_index"]).transform("max")
+    return (table["status"] == OK) & (shown == best)
+
+
+def ours_text(cell: pd.Series, typical_seeds: int) -> str:
+    """Our number as shown: 'mean ± std' plus marks, or the reason there is none."""
+    if cell["status"] != OK:
+        return cell["status"]
+    text = _fmt(cell["ours"])
+    if not math.isnan(cell["ours_std"]):
+        text += f" ± {cell['ours_std']:.2f}"
+    if cell["n_seeds"] != typical_seeds:
+        text += f" (n={cell['n_seeds']})"
+    if cell["short_window"]:
+        text += SHORT_MARK
+    if cell["incomplete"]:
+        text += INCOMPLETE_MARK
+    return text
+
+
+def _subheaders(scale: str) -> list[str]:
+    """Sub-columns under each table column."""
+    # At mini the paper's numbers are only a layout reference, so the header says so and there is no Δ.
+    return ["ours", "paper", "Δ"] if scale == "paper" else ["ours", "paper (layout ref.)"]
+
+
+def _cell_texts(cell: pd.Series, scale: str, typical: int, bold: bool) -> list[tuple[str, bool]]:
+    """The (text, bold) entries one table cell expands to."""
+    out = [(ours_text(cell, typical), bold), (_fmt(cell["paper"]), False)]
+    if scale == "paper":
+        out.append((_fmt(cell["diff"], signed=True), False))
+    return out
+
+
+def _grid(table: pd.DataFrame, scale: str) -> tuple[list[str], list[list[tuple[str, bool]]]]:
+    """Row labels and, per row, the flat list of (text, bold) entries."""
+    typical = _typical_seeds(table)
+    best = _best_mask(table)
+    labels, grid = [], []
+    for _, cells in table.groupby("row", sort=False):
+        labels.append(str(cells["row_label"].iloc[0]))
+        entries: list[tuple[str, bool]] = []
+        for idx, cell in cells.sort_values("col_index").iterrows():
+            entries.extend(_cell_texts(cell, scale, typical, bool(best.loc[idx])))
+        grid.append(entries)
+    return labels, grid
+
+
+def _column_labels(table: pd.DataFrame) -> list[str]:
+    """The table's column labels in order."""
+    return list(table.drop_duplicates("col_index").sort_values("col_index")["column"])
+
+
+def footnotes(table: pd.DataFrame, scale: str) -> list[str]:
+    """Notes printed under the table: seeds, windows, marks and empty-cell reasons that occur."""
+    notes = []
+    typical = _typical_seeds(table)
+    if typical > 1:
+        notes.append(f"Ours: mean ± std over seeds, n = {typical} seeds per cell unless marked (n=k).")
+    elif typical == 1:
+        notes.append("Ours: one seed per cell (no std) unless marked (n=k).")
+    windows = table.drop_duplicates("experiment").groupby("window", sort=False)["experiment"].apply(list)
+    for window, exps in windows.items():
+        what = "best round" if window == "best" else f"mean of the {window} evaluated rounds"
+        notes.append(f"Report window ({', '.join(exps)}): {what} of each seed's run.")
+    if table["paper"].isna().any():
+        notes.append(f"{NO_PAPER} = the paper reports no such cell.")
+    if table["short_window"].any():
+        notes.append(f"{SHORT_MARK} fewer evaluated rounds than the report window needs; "
+                     "mean over the rounds that exist.")
+    if table["incomplete"].any():
+        notes.append(f"{INCOMPLETE_MARK} a run ended before the experiment's configured number of rounds.")
+    present = [s for s in STATUS_NOTES if (table["status"] == s).any()]
+    if present:
+        notes.append("Empty cells: " + "; ".join(STATUS_NOTES[s] for s in present) + ".")
+    if (table["status"] == OK).any():
+        notes.append("Bold = best of our numbers in the column.")
+    return notes
+
+
+def scale_note(scale: str) -> str:
+    """The caption sentence that says how to read the paper's numbers at this scale."""
+    return MINI_NOTE if scale == "mini" else PAPER_NOTE
+
+
+def _md_escape(text: str) -> str:
+    """Escape the Markdown pipe-table separator."""
+    return text.replace("|", "\\|")
+
+
+def render_markdown(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
+    """A pipe table with the caption (and the scale note) on top and the footnotes below."""
+    subs = _subheaders(scale)
+    header = ["Method"] + [f"{c}: {s}" for c in _column_labels(table) for s in subs]
+    labels, grid = _grid(table, scale)
+    lines = [f"**{table_cfg.get('caption', '')}** {scale_note(scale)}", ""]
+    lines.append("| " + " | ".join(_md_escape(h) for h in header) + " |")
+    lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+    for label, entries in zip(labels, grid):
+        texts = [f"**{_md_escape(t)}**" if b else _md_escape(t) for t, b in entries]
+        lines.append("| " + " | ".join([_md_escape(label)] + texts) + " |")
+    lines.append("")
+    lines.extend(f"{note}  " for note in footnotes(table, scale))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+_TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
+                "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+_TEX_UNICODE = {"±": r"$\pm$", "—": "---", "−": "$-$", "Δ": r"$\Delta$",
+                SHORT_MARK: r"$^{\dagger}$", INCOMPLETE_MARK: r"$^{\ddagger}$"}
+
+
+def latex_escape(text: str) -> str:
+    """Escape LaTeX specials, then map the Unicode marks we use to LaTeX commands."""
+    out = "".join(_TEX_SPECIAL.get(ch, ch) for ch in text)
+    for uni, tex in _TEX_UNICODE.items():
+        out = out.replace(uni, tex)
+    return out
+
+
+def render_latex(table: pd.DataFrame, table_cfg: dict, scale: str, label: str | None = None) -> str:
+    """A booktabs tabular inside a table environment (needs booktabs and graphicx)."""
+    subs = _subheaders(scale)
+    cols = _column_labels(table)
+    k = len(subs)
+    labels, grid = _grid(table, scale)
+    caption = latex_escape(f"{table_cfg.get('caption', '')} {scale_note(scale)}")
+    lines = [r"\begin{table}[htbp]", r"\centering", rf"\caption{{{caption}}}"]
+    if label:
+        lines.append(rf"\label{{tab:{latex_escape(label)}}}")
+    lines += [r"\resizebox{\linewidth}{!}{%", r"\begin{tabular}{l" + "r" * (k * len(cols)) + "}", r"\toprule"]
+    lines.append(" & ".join([""] + [rf"\multicolumn{{{k}}}{{c}}{{{latex_escape(c)}}}" for c in cols]) + r" \\")
+    lines.append(" ".join(rf"\cmidrule(lr){{{2 + k * i}-{1 + k * (i + 1)}}}" for i in range(len(cols))))
+    lines.append(" & ".join(["Method"] + [latex_escape(s) for s in subs] * len(cols)) + r" \\")
+    lines.append(r"\midrule")
+    for row_label, entries in zip(labels, grid):
+        texts = [rf"\textbf{{{latex_escape(t)}}}" if b else latex_escape(t) for t, b in entries]
+        lines.append(" & ".join([latex_escape(row_label)] + texts) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}}", r"\par\smallskip", r"{\footnotesize"]
+    lines.append(" \\\\\n".join(latex_escape(n) for n in footnotes(table, scale)))
+    lines += ["}", r"\end{table}"]
+    return "\n".join(lines) + "\n"
+
+
+def render_csv(table: pd.DataFrame) -> str:
+    """The long-form cell table as CSV (documented in the module docstring)."""
+    return table.to_csv(index=False, float_format="%.6g", lineterminator="\n")
+
+
+def write_table(table: pd.DataFrame, table_cfg: dict, scale: str, out_md: str | os.PathLike,
+                out_tex: str | os.PathLike, out_csv: str | os.PathLike) -> None:
+    """Write the table as Markdown, LaTeX and CSV; all three are rendered before any is written."""
+    texts = {
+        Path(out_md): render_markdown(table, table_cfg, scale),
+        Path(out_tex): render_latex(table, table_cfg, scale, label=Path(out_tex).stem),
+        Path(out_csv): render_csv(table),
+    }
+    # Rename all three only if every write succeeded, so the outputs never disagree with each other.
+    with contextlib.ExitStack() as stack:
+        tmps = {path: stack.enter_context(atomic_path(path)) for path in texts}
+        for path, text in texts.items():
+            tmps[path].write_text(text, encoding="utf-8")

@@ -1,0 +1,94 @@
+"""One training run end to end: data + partition + backbone + method -> engine -> Parquet metrics."""
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedcore.backbones.prompted import PromptedViT
+from fedcore.backbones.vit import backbone_info, build_vit
+from fedcore.data.arrays import load_bundle
+from fedcore.engine.data import DeviceSplit, InputPipeline
+from fedcore.engine.evaluate import EvalSets
+from fedcore.engine.loop import RunResult, RunSpec, run_federated
+from fedcore.io import atomic_path
+from fedcore.methods import method_class
+from fedcore.partition import Partition
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """CUDA when present (or asked for), CPU otherwise; asking for CUDA without one is an error."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: cuda was requested but torch.cuda.is_available() is False")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (model initialisation draws from torch's global RNG)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def check_partition(part: Partition, n_train: int, n_test: int, where: str) -> None:
+    """Indices must fit the dataset they were made for (a stale partition file would silently misindex)."""
+    test_len = n_train if part.spec.get("test_from") == "train" else n_test
+    for c, (tr, te) in enumerate(zip(part.train, part.test)):
+        if len(tr) and (tr.max() >= n_train or tr.min() < 0):
+            raise ValueError(f"{where}: client {c} train indices exceed the dataset's {n_train} train images")
+        if len(te) and (te.max() >= test_len or te.min() < 0):
+            raise ValueError(f"{where}: client {c} test indices exceed the dataset's {test_len} images")
+        if len(tr) == 0:
+            raise ValueError(f"{where}: client {c} has no training data")
+
+
+def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: str | Path,
+              partition_path: str | Path, backbone_arch: str, backbone_weights: str | Path | None,
+              metrics_out: str | Path, final_out: str | Path, checkpoint_path: str | Path | None = None,
+              device: str = "auto", threads: int | None = None, progress: bool = True,
+              stop_after_round: int | None = None) -> RunResult | None:
+    """Train one (experiment, method, seed) and write its metrics Parquet and final state atomically."""
+    if threads:
+        torch.set_num_threads(threads)
+    dev = pick_device(device)
+    bundle = load_bundle(dataset_path)
+    part = Partition.load(partition_path)
+    check_partition(part, len(bundle.train), len(bundle.test), str(partition_path))
+
+    seed = int(identity["seed"])
+    seed_everything(seed)
+    vit = build_vit(backbone_arch, backbone_weights)
+    info = backbone_info(vit)
+    backbone = PromptedViT(vit).to(dev)
+    method = method_class(identity["method"])(backbone, bundle.num_classes, params.get("method_params", {}))
+    method.model.to(dev)
+
+    train = DeviceSplit.from_arrays(bundle.train, dev)
+    test = DeviceSplit.from_arrays(bundle.test, dev)
+    source = train if part.spec.get("test_from") == "train" else test
+    to_idx = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
+    evaluation = dict(params.get("evaluation", {}))
+    eval_sets = EvalSets(source, [to_idx(t) for t in part.test], test, evaluation.get("global_test", "pooled_local"))
+    pipeline = InputPipeline(info["img_size"], info["mean"], info["std"])
+    spec = RunSpec(identity=dict(identity), federation=params["federation"], optimizer=params["optimizer"],
+                   evaluation=evaluation, final_window=int(params.get("final_window", 1)))
+    result = run_federated(method, train, test, [to_idx(t) for t in part.train], eval_sets, pipeline, spec,
+                           checkpoint_path, stop_after_round=stop_after_round, progress=progress)
+    if result is None:
+        return None
+    with atomic_path(final_out, suffix=".pt") as tmp:
+        torch.save({"identity": identity, "global": result.global_state, "personal": result.personal_states,
+                    "server": result.server_state}, tmp)
+    with atomic_path(metrics_out, suffix=".parquet") as tmp:
+        result.metrics.to_parquet(tmp, index=False)
+    if checkpoint_path and Path(checkpoint_path).exists():
+        Path(checkpoint_path).unlink()  # the run is complete; final_out holds its state
+    return result

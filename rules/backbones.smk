@@ -1,0 +1,35 @@
+# Backbones: mini-scale ViTs are pretrained here on the held-out split no client ever sees;
+# paper-scale weights must be a local file (never fetched from a hub inside a job).
+
+
+rule pretrain_backbone:
+    input:
+        # the clean embedded digits carry the held-out pretraining split (rendered in every style)
+        dataset=dataset_file("digits"),
+        code=[str(Path(workflow.basedir) / "fedcore" / "backbones" / f) for f in ("pretrain.py", "vit.py")],
+    output:
+        f"{RESULTS}/backbones/{{backbone}}.pt",
+    params:
+        arch=lambda wc: CFG.backbones[wc.backbone]["arch"],
+        pretrain=lambda wc: CFG.backbones[wc.backbone]["pretrain"],
+        threads=CFG.top["threads_per_run"],
+    log:
+        f"{RESULTS}/logs/pretrain_backbone/{{backbone}}.log",
+    threads: 1
+    resources:
+        runtime=30,
+        mem_mb=4000,
+    script:
+        "../workflow/scripts/pretrain_backbone.py"
+
+
+rule backbone_weights:
+    """A paper-scale weight file is placed by the user; this rule only explains where and how."""
+    output:
+        f"{RESOURCES}/weights/{{weights_file}}",
+    params:
+        backbones=CFG.backbones,
+    log:
+        f"{RESULTS}/logs/backbone_weights/{{weights_file}}.log",
+    script:
+        "../workflow/scripts/missing_weights.py"

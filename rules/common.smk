@@ -1,0 +1,91 @@
+# Helpers shared by the rule files: paths, wildcard constraints, per-run params.
+import glob as _glob
+
+from fedcore.methods import method_source
+
+SCALE = CFG.scale
+
+wildcard_constraints:
+    dataset=r"[A-Za-z0-9_]+",
+    pid=r"[A-Za-z0-9_]+-[0-9a-f]{8}",
+    seed=r"\d+",
+    experiment=r"[A-Za-z0-9_]+",
+    method=r"[A-Za-z0-9_]+",
+    backbone=r"[A-Za-z0-9_]+",
+    name=r"[A-Za-z0-9_]+",
+    weights_file=r"[A-Za-z0-9_.\-]+",
+
+# Engine code every training job runs; an edit here reruns every training job (by design).
+ENGINE_SOURCES = sorted(
+    _glob.glob(str(Path(workflow.basedir) / "fedcore" / "engine" / "*.py"))
+    + _glob.glob(str(Path(workflow.basedir) / "fedcore" / "backbones" / "*.py"))
+    + [str(Path(workflow.basedir) / "fedcore" / f) for f in ("train.py", "methods/base.py", "methods/__init__.py")]
+)
+
+
+def dataset_file(dataset):
+    return f"{RESULTS}/data/{dataset}.npz"
+
+
+def partition_file(exp, seed):
+    x = CFG.experiments[exp]
+    return f"{RESULTS}/partitions/{x['dataset']}/{x['partition_id']}/seed{seed}.npz"
+
+
+def backbone_file(name):
+    """Pretrained at mini scale by the pipeline; a local weight file at paper scale."""
+    entry = CFG.backbones[name]
+    if "pretrain" in entry:
+        return f"{RESULTS}/backbones/{name}.pt"
+    return f"{RESOURCES}/weights/{entry['weights']}"
+
+
+def run_dir(exp, method, seed):
+    return f"{RESULTS}/runs/{SCALE}/{exp}/{method}/seed{seed}"
+
+
+def all_runs_metrics():
+    return [f"{run_dir(r['experiment'], r['method'], r['seed'])}/metrics.parquet" for r in CFG.runs()]
+
+
+def all_tables():
+    return [f"{RESULTS}/tables/{t}.{ext}" for t in CFG.tables for ext in ("md", "tex", "csv")]
+
+
+def all_figures():
+    return [f"{RESULTS}/figures/{f}.{ext}" for f in CFG.figures for ext in ("png", "pdf")]
+
+
+def all_partition_summaries():
+    return [
+        f"{RESULTS}/partitions/{ds}/{pid}/seed{s}.{ext}"
+        for (ds, pid) in CFG.partitions()
+        for s in CFG.seeds
+        for ext in ("counts.csv", "heatmap.png", "heatmap.pdf")
+    ]
+
+
+def partition_spec(wildcards):
+    return CFG.partitions()[(wildcards.dataset, wildcards.pid)]
+
+
+def train_inputs(wildcards):
+    exp = CFG.experiments[wildcards.experiment]
+    return {
+        "dataset": dataset_file(exp["dataset"]),
+        "partition": partition_file(wildcards.experiment, wildcards.seed),
+        "backbone": backbone_file(exp["backbone"]),
+        "code": ENGINE_SOURCES + [str(method_source(wildcards.method))],
+    }
+
+
+def identity(wildcards):
+    exp = CFG.experiments[wildcards.experiment]
+    return {
+        "paper": exp["paper"],
+        "experiment": wildcards.experiment,
+        "method": wildcards.method,
+        "scale": SCALE,
+        "dataset": exp["dataset"],
+        "seed": int(wildcards.seed),
+    }

@@ -1,0 +1,56 @@
+# Datasets: embedded ones are generated; paper-scale ones are downloaded (or placed by hand),
+# verified by checksum, then converted once into one .npz bundle per dataset.
+from fedcore.data.registry import is_embedded
+
+# Downloads need the internet, which cluster compute nodes often lack: run them on the submit host.
+localrules: fetch_dataset, check_data
+
+
+def dataset_raw_stamp(wildcards):
+    if is_embedded(wildcards.dataset):
+        return []
+    return [f"{RESOURCES}/raw/{wildcards.dataset}.verified.json"]
+
+
+rule fetch_dataset:
+    output:
+        f"{RESOURCES}/raw/{{dataset}}.verified.json",
+    params:
+        resources=RESOURCES,
+        checksums=str(CFG.checksums_path),
+    log:
+        f"{RESULTS}/logs/fetch_dataset/{{dataset}}.log",
+    retries: 2
+    script:
+        "../workflow/scripts/fetch_dataset.py"
+
+
+rule build_dataset:
+    input:
+        dataset_raw_stamp,
+    output:
+        f"{RESULTS}/data/{{dataset}}.npz",
+    params:
+        resources=RESOURCES,
+        checksums=str(CFG.checksums_path),
+    log:
+        f"{RESULTS}/logs/build_dataset/{{dataset}}.log",
+    resources:
+        mem_mb=16000,
+        runtime=60,
+    script:
+        "../workflow/scripts/build_dataset.py"
+
+
+rule check_data:
+    """`snakemake check_data`: verify every raw file the configured experiments need; list what is missing."""
+    output:
+        touch(f"{RESULTS}/check_data.{SCALE}.ok"),
+    params:
+        datasets=CFG.datasets(),
+        resources=RESOURCES,
+        checksums=str(CFG.checksums_path),
+    log:
+        f"{RESULTS}/logs/check_data.{SCALE}.log",
+    script:
+        "../workflow/scripts/check_data.py"

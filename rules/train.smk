@@ -1,0 +1,27 @@
+# One training job per (experiment, method, seed). Its params are only that run's slice of the
+# config and its code inputs are the engine plus that method's file, so an edit reruns only the
+# jobs it can change.
+
+
+rule train:
+    input:
+        unpack(train_inputs),
+    output:
+        metrics=f"{RESULTS}/runs/{SCALE}/{{experiment}}/{{method}}/seed{{seed}}/metrics.parquet",
+        final=f"{RESULTS}/runs/{SCALE}/{{experiment}}/{{method}}/seed{{seed}}/final.pt",
+    params:
+        cfg=lambda wc: CFG.train_params(wc.experiment, wc.method),
+        identity=identity,
+        arch=lambda wc: CFG.backbones[CFG.experiments[wc.experiment]["backbone"]]["arch"],
+        checkpoint=lambda wc: f"{run_dir(wc.experiment, wc.method, wc.seed)}/checkpoint.pt",
+        device=CFG.top["device"],
+        threads=CFG.top["threads_per_run"],
+    log:
+        f"{RESULTS}/logs/train/{SCALE}/{{experiment}}/{{method}}/seed{{seed}}.log",
+    threads: 1
+    resources:
+        gpu=1 if SCALE == "paper" else 0,
+        runtime=480 if SCALE == "paper" else 10,
+        mem_mb=48000 if SCALE == "paper" else 2000,
+    script:
+        "../workflow/scripts/train.py"

@@ -1,0 +1,60 @@
+"""Shared fixtures: a tiny dataset bundle, a partition and a random-init vit_mini weight file."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedcore.backbones.vit import build_vit
+from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
+from fedcore.partition import make_partition
+
+torch.set_num_threads(1)
+
+
+def synthetic_bundle(n_train: int = 240, n_test: int = 80, classes: int = 4, seed: int = 0) -> DatasetBundle:
+    """Class-dependent blobs on 16x16 RGB images: learnable in a few steps, cheap to build."""
+    rng = np.random.default_rng(seed)
+
+    def split(n: int) -> ArrayDataset:
+        y = np.arange(n) % classes
+        x = rng.integers(0, 60, size=(n, 16, 16, 3))
+        for c in range(classes):
+            r, col = divmod(c, 2)
+            x[y == c, r * 8:(r + 1) * 8, col * 8:(col + 1) * 8, :] += 180
+        return ArrayDataset(x=x.clip(0, 255).astype(np.uint8), y=y)
+
+    return DatasetBundle(train=split(n_train), test=split(n_test),
+                         meta={"classes": [str(c) for c in range(classes)], "source": "synthetic"})
+
+
+@pytest.fixture(scope="session")
+def tiny_run_files(tmp_path_factory):
+    """Paths of a saved bundle, an IID 4-client partition and vit_mini weights."""
+    root = tmp_path_factory.mktemp("tiny")
+    bundle = synthetic_bundle()
+    save_bundle(bundle, root / "data.npz")
+    part = make_partition({"scheme": "iid", "clients": 4}, 0, bundle.train.y, bundle.test.y)
+    part.save(root / "part.npz")
+    torch.manual_seed(0)
+    torch.save(build_vit("vit_mini").state_dict(), root / "vit_mini.pt")
+    return {"dataset": root / "data.npz", "partition": root / "part.npz", "weights": root / "vit_mini.pt",
+            "root": root}
+
+
+def run_params(rounds: int = 3, participation: float = 0.5, **fed) -> dict:
+    """Training params as rules/train.smk passes them (CFG.train_params)."""
+    return {
+        "paper": "sgpt",
+        "federation": {"rounds": rounds, "participation": participation, "local_epochs": 1, "batch_size": 16, **fed},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
+        "evaluation": {"global_test": "pooled_local"},
+        "method_params": {},
+        "final_window": 2,
+    }
+
+
+def identity(method: str, seed: int = 0) -> dict:
+    """A run identity for tests."""
+    return {"paper": "sgpt", "experiment": "tiny", "method": method, "scale": "mini", "dataset": "synthetic",
+            "seed": seed}

@@ -1,0 +1,130 @@
+"""Engine: aggregation arithmetic, sampling, determinism, resume equality, what each baseline trains."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import identity, run_params
+from fedcore.engine.aggregation import server_momentum, weighted_average
+from fedcore.engine.sampling import clients_per_round, sample_clients
+from fedcore.methods import METHODS
+from fedcore.train import train_run
+
+
+def test_weighted_average_matches_hand_arithmetic():
+    a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])}
+    b = {"w": torch.tensor([3.0, 6.0]), "b": torch.tensor([4.0])}
+    out = weighted_average([a, b], [100, 300])
+    assert torch.allclose(out["w"], torch.tensor([2.5, 5.0]))
+    assert torch.allclose(out["b"], torch.tensor([3.0]))
+    only_w = weighted_average([a, b], [1, 1], names=["w"])
+    assert set(only_w) == {"w"} and torch.allclose(only_w["w"], torch.tensor([2.0, 4.0]))
+
+
+def test_weighted_average_rejects_bad_weights():
+    with pytest.raises(ValueError, match="positive sum"):
+        weighted_average([{"w": torch.ones(1)}], [0.0])
+
+
+def test_server_momentum():
+    prev, cur = {"k": torch.tensor([1.0])}, {"k": torch.tensor([3.0])}
+    assert torch.allclose(server_momentum(prev, cur, 0.5)["k"], torch.tensor([2.0]))
+    assert torch.allclose(server_momentum(prev, cur, 0.0)["k"], torch.tensor([3.0]))
+    with pytest.raises(ValueError, match="momentum"):
+        server_momentum(prev, cur, 1.5)
+
+
+def test_sampling_is_seeded_and_sized():
+    assert clients_per_round(100, 0.05) == 5 and clients_per_round(20, 0.1) == 2 and clients_per_round(3, 0.01) == 1
+    a = sample_clients(100, 0.05, seed=0, round_idx=7)
+    assert a == sample_clients(100, 0.05, seed=0, round_idx=7) and len(set(a)) == 5 and a == sorted(a)
+    assert a != sample_clients(100, 0.05, seed=0, round_idx=8)
+    assert a != sample_clients(100, 0.05, seed=1, round_idx=7)
+    assert sample_clients(4, 1.0, 0, 1) == [0, 1, 2, 3]
+
+
+def _train(files, tmp, method="fedvpt", seed=0, stop=None, ckpt=True, **kw):
+    return train_run(run_params(**kw), identity(method, seed), files["dataset"], files["partition"], "vit_mini",
+                     files["weights"], tmp / "metrics.parquet", tmp / "final.pt",
+                     checkpoint_path=(tmp / "ckpt.pt") if ckpt else None, progress=False, stop_after_round=stop)
+
+
+def test_same_seed_same_metrics_and_other_seed_differs(tiny_run_files, tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
+    a = _train(tiny_run_files, tmp_path / "a").metrics
+    b = _train(tiny_run_files, tmp_path / "b").metrics
+    pd.testing.assert_frame_equal(a, b)
+    c = _train(tiny_run_files, tmp_path / "c", seed=1).metrics
+    assert not a["value"].equals(c["value"])
+
+
+def test_interrupted_run_resumes_to_identical_metrics(tiny_run_files, tmp_path):
+    (tmp_path / "full").mkdir(), (tmp_path / "cut").mkdir()
+    full = _train(tiny_run_files, tmp_path / "full", rounds=4)
+    assert _train(tiny_run_files, tmp_path / "cut", rounds=4, stop=2) is None  # "killed" after round 2
+    assert (tmp_path / "cut" / "ckpt.pt").exists() and not (tmp_path / "cut" / "metrics.parquet").exists()
+    resumed = _train(tiny_run_files, tmp_path / "cut", rounds=4)
+    pd.testing.assert_frame_equal(full.metrics, resumed.metrics)
+    for name, t in full.global_state.items():
+        assert torch.equal(t, resumed.global_state[name]), name
+    assert not (tmp_path / "cut" / "ckpt.pt").exists()  # a finished run leaves only its final state
+    written = pd.read_parquet(tmp_path / "cut" / "metrics.parquet")
+    pd.testing.assert_frame_equal(written, full.metrics)
+
+
+def test_checkpoint_from_other_settings_is_not_resumed(tiny_run_files, tmp_path):
+    _train(tiny_run_files, tmp_path, rounds=4, stop=2)
+    other = _train(tiny_run_files, tmp_path, rounds=4, lr_unused=None) if False else None  # noqa: F841
+    fresh = _train(tiny_run_files, tmp_path, rounds=3)  # different budget -> different fingerprint
+    assert sorted(fresh.metrics["round"].unique()) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_each_baseline_trains_what_it_says(tiny_run_files, tmp_path, method):
+    res = _train(tiny_run_files, tmp_path, method=method, rounds=2, participation=1.0, ckpt=False)
+    m = res.metrics
+    agg = m[(m.client == -1) & (m.split == "global") & (m.metric == "acc")]
+    assert list(agg["round"]) == [1, 2] and agg["value"].between(0, 1).all()
+    assert set(m[(m.split == "local") & (m.client >= 0)]["client"]) == {0, 1, 2, 3}
+    worst = m[(m.metric == "acc_worst")]["value"].to_numpy()
+    mean = m[(m.metric == "acc_mean")]["value"].to_numpy()
+    assert (worst <= mean + 1e-12).all()
+    state = torch.load(tmp_path / "final.pt", weights_only=False)
+    if method == "local":
+        assert state["global"] == {} and set(state["personal"]) == {0, 1, 2, 3}
+        assert (m[(m.split == "global") & (m.client >= 0)]["client"].nunique()) == 4  # per-client global acc
+    else:
+        names = set(state["global"])
+        assert any(n.startswith("head.") for n in names)
+        has_backbone = any(n.startswith("backbone.") for n in names)
+        has_prompts = any(n.startswith("prompts.") for n in names)
+        assert has_backbone == (method == "fedavg")
+        assert has_prompts == (method in ("fedvpt", "fedvpt_d"))
+        if method == "fedvpt_d":
+            assert sum(n.startswith("prompts.") for n in names) == 4  # one per block of vit_mini
+
+
+def test_frozen_backbone_is_not_changed_by_prompt_methods(tiny_run_files, tmp_path):
+    from fedcore.backbones.vit import build_vit
+    from fedcore.backbones.prompted import PromptedViT
+    from fedcore.methods import method_class
+
+    vit = build_vit("vit_mini", tiny_run_files["weights"])
+    before = {k: v.clone() for k, v in vit.state_dict().items()}
+    method = method_class("fedvpt_d")(PromptedViT(vit), 4, {})
+    x = torch.randn(8, 3, 16, 16)
+    loss = method.loss(x, torch.arange(8) % 4)
+    loss.backward()
+    assert all(p.grad is None for p in vit.parameters())
+    assert all(p.grad is not None for p in method.model.prompts)
+    assert all(torch.equal(before[k], v) for k, v in vit.state_dict().items())
+
+
+def test_unknown_method_param_is_rejected(tiny_run_files):
+    from fedcore.backbones.prompted import PromptedViT
+    from fedcore.backbones.vit import build_vit
+    from fedcore.methods import method_class
+
+    with pytest.raises(ValueError, match=r"method_params.fedvpt: unknown key\(s\) \['prompt_len'\]"):
+        method_class("fedvpt")(PromptedViT(build_vit("vit_mini")), 4, {"prompt_len": 3})

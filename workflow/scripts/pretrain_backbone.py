@@ -1,0 +1,14 @@
+"""snakemake -> fedcore.backbones.pretrain.pretrain_vit."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir)))
+import _log  # noqa: E402
+
+from fedcore.backbones.pretrain import pretrain_vit  # noqa: E402
+from fedcore.data.arrays import load_bundle  # noqa: E402
+
+_log.setup(snakemake)
+stats = pretrain_vit(load_bundle(snakemake.input.dataset), arch=snakemake.params.arch, seed=0,
+                     out_path=snakemake.output[0], threads=snakemake.params.threads, **snakemake.params.pretrain)
+print(stats, file=sys.stderr)

@@ -1,0 +1,14 @@
+"""snakemake -> fedcore.train.train_run."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir)))
+import _log  # noqa: E402
+
+from fedcore.train import train_run  # noqa: E402
+
+_log.setup(snakemake)
+p = snakemake.params
+train_run(p.cfg, p.identity, snakemake.input.dataset, snakemake.input.partition, p.arch, snakemake.input.backbone,
+          snakemake.output.metrics, snakemake.output.final, checkpoint_path=p.checkpoint, device=p.device,
+          threads=p.threads)
