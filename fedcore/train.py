@@ -15,6 +15,7 @@ from fedcore.data.arrays import load_bundle
 from fedcore.engine.data import DeviceSplit, InputPipeline
 from fedcore.engine.evaluate import EvalSets
 from fedcore.engine.loop import RunResult, RunSpec, run_federated
+from fedcore.engine.sampling import stream_seed
 from fedcore.io import atomic_path
 from fedcore.methods import method_class
 from fedcore.partition import Partition
@@ -64,7 +65,10 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     check_partition(part, len(bundle.train), len(bundle.test), str(partition_path))
 
     seed = int(identity["seed"])
-    seed_everything(seed)
+    # A derived seed for model initialisation: seeding with the bare run seed would reproduce the
+    # RNG stream of the backbone's own pretraining (seed 0), so a fresh head would start as the
+    # pretraining head and leak its training into the run.
+    seed_everything(stream_seed(seed, 0, 0, 0x1A17))
     vit = build_vit(backbone_arch, backbone_weights)
     info = backbone_info(vit)
     backbone = PromptedViT(vit).to(dev)

@@ -6,16 +6,16 @@ rule pretrain_backbone:
     input:
         # the clean embedded digits carry the held-out pretraining split (rendered in every style)
         dataset=dataset_file("digits"),
-        code=[str(Path(workflow.basedir) / "fedcore" / "backbones" / f) for f in ("pretrain.py", "vit.py")],
+        code=[str(FEDCORE / "backbones" / f) for f in ("pretrain.py", "vit.py")],
     output:
         f"{RESULTS}/backbones/{{backbone}}.pt",
     params:
         arch=lambda wc: CFG.backbones[wc.backbone]["arch"],
         pretrain=lambda wc: CFG.backbones[wc.backbone]["pretrain"],
-        threads=CFG.top["threads_per_run"],
     log:
         f"{RESULTS}/logs/pretrain_backbone/{{backbone}}.log",
-    threads: 1
+    # every training job waits for this one, so it may use all the cores it is given
+    threads: workflow.cores
     resources:
         runtime=30,
         mem_mb=4000,

@@ -1,6 +1,7 @@
 # Helpers shared by the rule files: paths, wildcard constraints, per-run params.
 import glob as _glob
 
+import fedcore
 from fedcore.methods import method_source
 
 SCALE = CFG.scale
@@ -15,11 +16,14 @@ wildcard_constraints:
     name=r"[A-Za-z0-9_]+",
     weights_file=r"[A-Za-z0-9_.\-]+",
 
+# The fedcore package actually imported (an editable install or PYTHONPATH), so code edits are tracked
+FEDCORE = Path(fedcore.__file__).parent
+
 # Engine code every training job runs; an edit here reruns every training job (by design).
 ENGINE_SOURCES = sorted(
-    _glob.glob(str(Path(workflow.basedir) / "fedcore" / "engine" / "*.py"))
-    + _glob.glob(str(Path(workflow.basedir) / "fedcore" / "backbones" / "*.py"))
-    + [str(Path(workflow.basedir) / "fedcore" / f) for f in ("train.py", "methods/base.py", "methods/__init__.py")]
+    _glob.glob(str(FEDCORE / "engine" / "*.py"))
+    + [str(FEDCORE / f) for f in ("backbones/images.py", "backbones/prompted.py", "backbones/vit.py",
+                                  "train.py", "methods/base.py", "methods/__init__.py", "io.py")]
 )
 
 

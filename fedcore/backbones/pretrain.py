@@ -101,7 +101,7 @@ def pretrain_vit(
         raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
     device = torch.device(device)
     with _isolated_torch_state(threads):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # init RNG (CPU only: the caller's CUDA RNG is left alone)
         gen = torch.Generator().manual_seed(seed)  # CPU generator: same shuffles/shifts on every device
         model = build_vit(arch).to(device)
         info = backbone_info(model)

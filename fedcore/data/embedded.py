@@ -17,6 +17,7 @@ stratified by class and with near-equal style sizes; ``domain`` is the style ind
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable
 
 import numpy as np
@@ -97,19 +98,28 @@ NUM_DIGITS = 10
 
 
 # ---- source images and fixed splits --------------------------------------------------------------
+@lru_cache(maxsize=1)
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    # Parsing sklearn's csv costs ~50 ms; cache it, read-only so no caller can alter the cached copy.
+    d = load_digits()
+    images, target = d.images.copy(), d.target.astype(np.int64)
+    images.flags.writeable = target.flags.writeable = False
+    return images, target
+
+
 def load_source(size: int = IMAGE_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """All 1,797 digits as clean uint8 (N,size,size,3) grey-as-RGB images, and their labels."""
-    d = load_digits()
-    grey = np.rint(d.images * (255.0 / 16.0)).astype(np.uint8)  # pixel values are 0..16
+    images, target = _digits()
+    grey = np.rint(images * (255.0 / 16.0)).astype(np.uint8)  # pixel values are 0..16
     if size != grey.shape[1]:
         grey = np.stack([np.asarray(Image.fromarray(g, mode="L").resize((size, size), Image.BILINEAR))
                          for g in grey])
-    return np.repeat(grey[..., None], 3, axis=-1), d.target.astype(np.int64)
+    return np.repeat(grey[..., None], 3, axis=-1), target.copy()
 
 
 def split_indices() -> dict[str, np.ndarray]:
     """Sorted source indices of the fixed pretrain / train / test splits (disjoint, stratified)."""
-    y = load_digits().target
+    y = _digits()[1]
     idx = np.arange(len(y))
     rest, pre = train_test_split(idx, test_size=PRETRAIN_FRACTION, stratify=y, random_state=SPLIT_SEED)
     train, test = train_test_split(rest, test_size=TEST_FRACTION, stratify=y[rest], random_state=SPLIT_SEED + 1)
@@ -134,7 +144,7 @@ def layout(name: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     if name not in EMBEDDED_DATASETS:
         raise KeyError(f"unknown embedded dataset '{name}'; known: {sorted(EMBEDDED_DATASETS)}")
     k = EMBEDDED_DATASETS[name]
-    y = load_digits().target
+    y = _digits()[1]
     splits = split_indices()
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for salt, split in enumerate(("train", "test")):

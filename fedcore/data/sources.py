@@ -58,8 +58,8 @@ DIGITS = [str(i) for i in range(10)]
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-def _find(inputs: Iterable[Path], name: str, what: str) -> Path:
-    """The single file or dir called `name` among `inputs` (searched recursively)."""
+def _find_all(inputs: Iterable[Path], name: str) -> list[Path]:
+    """Every file or dir called `name` among `inputs` (searched recursively)."""
     hits: list[Path] = []
     for p in inputs:
         p = Path(p)
@@ -67,6 +67,13 @@ def _find(inputs: Iterable[Path], name: str, what: str) -> Path:
             hits.append(p)
         elif p.is_dir():
             hits.extend(sorted(p.rglob(name)))
+    return hits
+
+
+def _find(inputs: Iterable[Path], name: str, what: str) -> Path:
+    """The single file or dir called `name` among `inputs` (searched recursively)."""
+    inputs = list(inputs)
+    hits = _find_all(inputs, name)
     if len(hits) != 1:
         raise FileNotFoundError(f"{what}: expected exactly one '{name}' in {[str(p) for p in inputs]}, "
                                 f"found {len(hits)}{': ' + ', '.join(map(str, hits[:5])) if hits else ''}")
@@ -318,12 +325,12 @@ def _folder_split(domain_dir: Path, classes: list[str], size: int) -> tuple[tupl
 
 
 def _feature_shift(inputs: list[Path], what: str, domains: list[str], classes: list[str], source: str,
-                   size: int = FEATURE_SHIFT_SIZE) -> DatasetBundle:
+                   size: int | None = None) -> DatasetBundle:
+    size = size or FEATURE_SHIFT_SIZE  # read at call time so it stays a tunable module constant
     parts: dict[str, list] = {"train": [[], [], []], "test": [[], [], []]}  # x, y, domain
-    try:
-        first_pkl = _find(inputs, f"{domains[0]}_train.pkl", what)
-    except FileNotFoundError:
-        first_pkl = None
+    # Layout B only when there is no pickle at all: several pickles is an ambiguity to report.
+    pkl_name = f"{domains[0]}_train.pkl"
+    first_pkl = _find(inputs, pkl_name, what) if _find_all(inputs, pkl_name) else None
     if first_pkl is not None:
         layout = "FedBN pickles (<site>_train.pkl / <site>_test.pkl)"
         base = first_pkl.parent

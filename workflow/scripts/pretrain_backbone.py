@@ -10,5 +10,5 @@ from fedcore.data.arrays import load_bundle  # noqa: E402
 
 _log.setup(snakemake)
 stats = pretrain_vit(load_bundle(snakemake.input.dataset), arch=snakemake.params.arch, seed=0,
-                     out_path=snakemake.output[0], threads=snakemake.params.threads, **snakemake.params.pretrain)
+                     out_path=snakemake.output[0], threads=snakemake.threads, **snakemake.params.pretrain)
 print(stats, file=sys.stderr)

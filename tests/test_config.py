@@ -1,0 +1,117 @@
+"""Config validation: errors name the key and the allowed values, before any work is done."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedcore.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+
+
+def _copy_config(tmp_path: Path) -> Path:
+    shutil.copytree(ROOT / "config", tmp_path / "config")
+    return tmp_path
+
+
+def test_default_config_resolves_to_mini_runs():
+    cfg = load_config(DEFAULT, ROOT)
+    assert cfg.scale == "mini"
+    runs = cfg.runs()
+    assert {r["experiment"] for r in runs} == {"sgpt_c100_s50", "sgpt_c100_s10", "sgpt_five"}
+    exp = cfg.experiments["sgpt_c100_s10"]
+    assert exp["dataset"] == "digits" and exp["backbone"] == "vit_mini"
+    assert exp["partition"]["classes_per_client"] == 2 and exp["federation"]["rounds"] == 6
+
+
+def test_paper_scale_keeps_paper_budget():
+    cfg = load_config({**DEFAULT, "scale": "paper"}, ROOT)
+    exp = cfg.experiments["sgpt_c100_s10"]
+    assert exp["dataset"] == "cifar100" and exp["backbone"] == "vit_b16_in21k"
+    assert exp["federation"] == {"rounds": 60, "participation": 0.05, "local_epochs": 5, "batch_size": 40}
+    assert exp["partition"]["clients"] == 100 and exp["partition"]["classes_per_client"] == 10
+
+
+def test_train_params_are_one_runs_slice():
+    cfg = load_config(DEFAULT, ROOT)
+    p = cfg.train_params("sgpt_c100_s10", "fedvpt")
+    assert "methods" not in p and "report" not in p  # adding a method to the list reruns no other method
+    assert p["final_window"] == 3 and p["method_params"] == {}
+
+
+@pytest.mark.parametrize("override, needle", [
+    ({"scale": "huge"}, "at scale: 'huge' is not one of ['mini', 'paper']"),
+    ({"seeds": [0, "one"]}, "at seeds[1]: 'one' is not of type 'integer'"),
+    ({"papers": ["sgtp"]}, "at papers[0]: 'sgtp' is not one of ['sgpt']"),
+    ({"sedes": [0]}, "'sedes' was unexpected"),
+    ({"device": "tpu"}, "allowed values: ['auto', 'cpu', 'cuda']"),
+])
+def test_top_level_errors_name_key_and_allowed(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config({**DEFAULT, **override}, ROOT)
+    assert needle in str(e.value)
+
+
+def _edit_experiments(tmp_path, edit):
+    root = _copy_config(tmp_path)
+    path = root / "config" / "experiments" / "sgpt.yaml"
+    doc = yaml.safe_load(path.read_text())
+    edit(doc)
+    path.write_text(yaml.safe_dump(doc))
+    return root
+
+
+def test_unknown_method_names_allowed_methods(tmp_path):
+    root = _edit_experiments(tmp_path, lambda d: d["experiments"]["sgpt_five"]["methods"].append("fedavgg"))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    msg = str(e.value)
+    assert "experiment sgpt_five" in msg and "methods[5]" in msg and "'fedavgg'" in msg and "'fedvpt_d'" in msg
+
+
+def test_unknown_experiment_key_lists_allowed_keys(tmp_path):
+    root = _edit_experiments(tmp_path, lambda d: d["experiments"]["sgpt_five"].update(lr=0.1))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert "experiments.sgpt_five" in str(e.value) and "'lr' was unexpected" in str(e.value)
+    assert "allowed keys" in str(e.value) and "'federation'" in str(e.value)
+
+
+def test_wrong_type_is_reported(tmp_path):
+    root = _edit_experiments(tmp_path, lambda d: d["experiments"]["sgpt_five"]["federation"].update(rounds="ten"))
+    with pytest.raises(ConfigError, match=r"federation.rounds: 'ten' is not of type 'integer'"):
+        load_config(DEFAULT, root)
+
+
+def test_unknown_dataset_names_allowed(tmp_path):
+    root = _edit_experiments(tmp_path, lambda d: d["experiments"]["sgpt_five"].update(dataset="cifar1000"))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert "at dataset: 'cifar1000' is not one of" in str(e.value) and "'cifar100'" in str(e.value)
+
+
+def test_bad_partition_key_is_reported(tmp_path):
+    root = _edit_experiments(tmp_path, lambda d: d["experiments"]["sgpt_c100_s10"]["partition"].update(alpha=0.1))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert "experiment sgpt_c100_s10 at partition" in str(e.value) and "alpha" in str(e.value)
+
+
+def test_table_paper_row_length_is_checked(tmp_path):
+    root = _edit_experiments(tmp_path, lambda d: d["tables"]["sgpt_table1"]["paper"]["sgpt"].pop())
+    with pytest.raises(ConfigError, match=r"paper.sgpt: 8 values for 9 columns"):
+        load_config(DEFAULT, root)
+
+
+def test_scale_dataset_mapping_must_exist(tmp_path):
+    root = _copy_config(tmp_path)
+    path = root / "config" / "scales" / "mini.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["datasets"]["cifar100"] = "digitz"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"mini.yaml at datasets.cifar100: 'digitz' is not one of"):
+        load_config(DEFAULT, root)
