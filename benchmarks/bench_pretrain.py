@@ -1,7 +1,10 @@
-"""Measure vit_mini pretraining throughput (fwd+bwd images/s) and, optionally, linear-probe quality on digits.
+"""Measure tiny-ViT pretraining throughput (fwd+bwd images/s) and, optionally, linear-probe quality on digits.
 
-    python benchmarks/bench_pretrain.py --threads 2                 # throughput, 3,000 images x 3 epochs
-    python benchmarks/bench_pretrain.py --threads 2 --probe         # + 30-epoch pretrain and a linear probe
+    python benchmarks/bench_pretrain.py --threads 2            # throughput: 3 epochs over the pretrain split
+    python benchmarks/bench_pretrain.py --threads 2 --probe    # + full pretrain and a linear probe on digits
+
+Data: the embedded `digits` bundle (fedcore.data.embedded) when importable, else sklearn's digits upsampled
+to 16x16 with a 30/50/20 pretrain/train/test split.
 """
 from __future__ import annotations
 
@@ -17,29 +20,35 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from fedcore.backbones import vit as vit_mod
-from fedcore.backbones.images import to_model_input
-from fedcore.backbones.pretrain import pretrain_vit
-from fedcore.backbones.vit import backbone_info, build_vit
-from fedcore.data.arrays import ArrayDataset, DatasetBundle
+from fedcore.backbones import vit as vit_mod  # noqa: E402
+from fedcore.backbones.images import to_model_input  # noqa: E402
+from fedcore.backbones.pretrain import pretrain_vit  # noqa: E402
+from fedcore.backbones.vit import backbone_info, build_vit  # noqa: E402
+from fedcore.data.arrays import ArrayDataset, DatasetBundle  # noqa: E402
 
 
-def digits_16(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """sklearn's 8x8 digits as uint8 (N,16,16,3) RGB (2x nearest upsampling), shuffled."""
+def sklearn_digits_bundle(seed: int = 0) -> DatasetBundle:
+    """sklearn's 8x8 digits as uint8 (N,16,16,3) (2x nearest upsampling), split 30/50/20 pretrain/train/test."""
     from sklearn.datasets import load_digits
 
     d = load_digits()
     x = (d.images * (255.0 / 16.0)).round().astype(np.uint8)
-    x = np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)
-    x = np.repeat(x[..., None], 3, axis=-1)
+    x = np.repeat(np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)[..., None], 3, axis=-1)
     perm = np.random.default_rng(seed).permutation(len(x))
-    return x[perm], d.target[perm].astype(np.int64)
+    x, y = x[perm], d.target[perm].astype(np.int64)
+    a, b = int(0.3 * len(x)), int(0.8 * len(x))
+    return DatasetBundle(pretrain=ArrayDataset(x[:a], y[:a]), train=ArrayDataset(x[a:b], y[a:b]),
+                         test=ArrayDataset(x[b:], y[b:]), meta=dict(classes=[str(i) for i in range(10)]))
 
 
-def bundle_of(x: np.ndarray, y: np.ndarray) -> DatasetBundle:
-    """A bundle whose pretrain split is (x, y); train/test are placeholders."""
-    ds = ArrayDataset(x, y)
-    return DatasetBundle(train=ds, test=ds, pretrain=ds, meta=dict(classes=[str(i) for i in range(10)]))
+def digits_bundle() -> tuple[DatasetBundle, str]:
+    """The pipeline's embedded digits bundle if that module is available, else the sklearn stand-in."""
+    try:
+        from fedcore.data.embedded import build_embedded
+
+        return build_embedded("digits"), "fedcore.data.embedded digits"
+    except ImportError:
+        return sklearn_digits_bundle(), "sklearn digits (stand-in)"
 
 
 @torch.no_grad()
@@ -50,57 +59,55 @@ def features(model: torch.nn.Module, x: np.ndarray) -> np.ndarray:
     return model.eval()(inp).numpy()
 
 
+def probe_accuracy(model: torch.nn.Module, bundle: DatasetBundle) -> float:
+    """Logistic-regression linear probe: fit on train features, accuracy on test."""
+    from sklearn.linear_model import LogisticRegression
+
+    clf = LogisticRegression(max_iter=3000).fit(features(model, bundle.train.x), bundle.train.y)
+    return float(clf.score(features(model, bundle.test.x), bundle.test.y))
+
+
 def main() -> None:
     """Parse args, run the benchmark, print the numbers."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="vit_mini")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--n", type=int, default=3000, help="images per epoch (digits tiled)")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs of the throughput run")
     ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--mlp-ratio", type=float, default=None, help="override vit_mini's mlp_ratio (exploration)")
-    ap.add_argument("--depth", type=int, default=None, help="override vit_mini's depth (exploration)")
-    ap.add_argument("--probe", action="store_true", help="also pretrain 30 epochs and linear-probe on held-out digits")
+    ap.add_argument("--mlp-ratio", type=float, default=None, help="override the arch's mlp_ratio (exploration)")
+    ap.add_argument("--probe", action="store_true", help="also run a full pretrain and a linear probe")
+    ap.add_argument("--probe-epochs", type=int, default=30)
     args = ap.parse_args()
 
-    if args.mlp_ratio is not None or args.depth is not None:
+    if args.mlp_ratio is not None:
         vit_mod.ARCHS[args.arch] = cfg = copy.deepcopy(vit_mod.ARCHS[args.arch])
-        if args.mlp_ratio is not None:
-            cfg["kwargs"]["mlp_ratio"] = args.mlp_ratio
-        if args.depth is not None:
-            cfg["kwargs"]["depth"] = args.depth
-    x, y = digits_16()
-    reps = -(-args.n // len(x))
-    xt, yt = np.concatenate([x] * reps)[: args.n], np.concatenate([y] * reps)[: args.n]
-    st = pretrain_vit(bundle_of(xt, yt), arch=args.arch, epochs=args.epochs, batch_size=args.batch_size,
-                      threads=args.threads, progress=False, device=args.device)
-    print(f"{args.arch} kwargs={vit_mod.ARCHS[args.arch].get('kwargs')} threads={args.threads} "
-          f"batch={args.batch_size} device={args.device}: {st['images_per_s']:.0f} images/s fwd+bwd "
-          f"({st['images']} images in {st['train_seconds']:.2f} s)")
+        cfg["kwargs"]["mlp_ratio"] = args.mlp_ratio
+    bundle, source = digits_bundle()
+    hp = dict(batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay, threads=args.threads,
+              progress=False, device=args.device)
+    st = pretrain_vit(bundle, arch=args.arch, epochs=args.epochs, **hp)
+    print(f"{args.arch} {vit_mod.ARCHS[args.arch].get('kwargs', '')} on {source} pretrain split "
+          f"({len(bundle.pretrain)} images), threads={args.threads}, batch={args.batch_size}, device={args.device}: "
+          f"{st['images_per_s']:.0f} images/s fwd+bwd ({st['images']} images in {st['train_seconds']:.2f} s)")
 
     if args.probe:
-        from sklearn.linear_model import LogisticRegression
-
-        n_pre, n_probe = 1000, 400  # pretrain / probe-train / probe-test (the remaining 397) are disjoint
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "vit_mini.pt"
+            out = Path(tmp) / "backbone.pt"
             t0 = time.perf_counter()
-            st = pretrain_vit(bundle_of(x[:n_pre], y[:n_pre]), arch=args.arch, epochs=30,
-                              batch_size=args.batch_size, threads=args.threads, progress=False,
-                              out_path=out, device=args.device)
+            st = pretrain_vit(bundle, arch=args.arch, epochs=args.probe_epochs, out_path=out, **hp)
             secs = time.perf_counter() - t0
             model = build_vit(args.arch, out)
         torch.set_num_threads(args.threads)
-        f_tr, f_te = features(model, x[n_pre : n_pre + n_probe]), features(model, x[n_pre + n_probe :])
-        probe = LogisticRegression(max_iter=2000).fit(f_tr, y[n_pre : n_pre + n_probe])
-        acc = probe.score(f_te, y[n_pre + n_probe :])
-        rand = build_vit(args.arch)  # same probe on a random-init backbone, for reference
-        r_acc = LogisticRegression(max_iter=2000).fit(features(rand, x[n_pre : n_pre + n_probe]),
-                                                      y[n_pre : n_pre + n_probe]).score(features(rand, x[n_pre + n_probe :]), y[n_pre + n_probe :])
-        print(f"30-epoch pretrain on {n_pre} images: {secs:.1f} s, train acc {st['train_acc']:.3f}; "
-              f"linear probe ({n_probe} train / {len(x) - n_pre - n_probe} test): {acc:.3f} "
-              f"(random-init backbone: {r_acc:.3f}, chance 0.10)")
+        acc = probe_accuracy(model, bundle)
+        torch.manual_seed(0)
+        rand_acc = probe_accuracy(build_vit(args.arch), bundle)  # same probe on a random-init backbone
+        print(f"{args.probe_epochs}-epoch pretrain: {secs:.1f} s ({st['images_per_s']:.0f} images/s), clean train "
+              f"acc {st['train_acc']:.3f}; linear probe on {len(bundle.train)} train / {len(bundle.test)} test: "
+              f"{acc:.3f} (random-init backbone {rand_acc:.3f}, chance {1 / bundle.num_classes:.2f})")
+
 
 if __name__ == "__main__":
     main()

@@ -81,9 +81,16 @@ def _check_name(value: str, allowed, where: str, key: str) -> None:
 
 
 def apply_defaults(config: dict) -> dict:
-    """The top-level config with schema defaults filled in."""
+    """The top-level config with schema defaults filled in and command-line seeds made integers."""
     defaults = {"device": "auto", "results": "results", "resources": "resources", "threads_per_run": 1}
-    return {**defaults, **config}
+    out = {**defaults, **config}
+    # `--config seeds=[0,1]` reaches us as ['0', '1'] and `seeds=0` as 0: accept both spellings
+    seeds = out.get("seeds")
+    if isinstance(seeds, (int, str)):
+        seeds = [seeds]
+    if isinstance(seeds, list):
+        out["seeds"] = [int(s) if isinstance(s, str) and s.strip().isdigit() else s for s in seeds]
+    return out
 
 
 @dataclass

@@ -35,7 +35,7 @@ def pick_device(requested: str = "auto") -> torch.device:
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (model initialisation draws from torch's global RNG)."""
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)  # NumPy's legacy seeding takes 32 bits only
     torch.manual_seed(seed)
 
 

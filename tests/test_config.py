@@ -25,7 +25,7 @@ def test_default_config_resolves_to_mini_runs():
     assert {r["experiment"] for r in runs} == {"sgpt_c100_s50", "sgpt_c100_s10", "sgpt_five"}
     exp = cfg.experiments["sgpt_c100_s10"]
     assert exp["dataset"] == "digits" and exp["backbone"] == "vit_mini"
-    assert exp["partition"]["classes_per_client"] == 2 and exp["federation"]["rounds"] == 6
+    assert exp["partition"]["classes_per_client"] == 2 and exp["federation"]["rounds"] == 10
 
 
 def test_paper_scale_keeps_paper_budget():

@@ -74,6 +74,11 @@ class PromptClassifier(nn.Module):
         return self.head(self.features(x))
 
 
+def autocast_for(x: torch.Tensor) -> torch.autocast:
+    """bf16 autocast on CUDA (the frozen ViT dominates the cost), a no-op on CPU (keeps CPU runs bit-exact)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda)
+
+
 def make_optimizer(params: list[nn.Parameter], cfg: dict) -> torch.optim.Optimizer:
     """The experiment's optimiser over ``params`` (fresh per client and round, as the papers' code does)."""
     name = cfg.get("name", "sgd")
@@ -161,7 +166,8 @@ class Method:
         for _ in range(epochs):
             for x, y in data.batches():
                 opt.zero_grad(set_to_none=True)
-                loss = loss_fn(x, y)
+                with autocast_for(x):
+                    loss = loss_fn(x, y)
                 loss.backward()
                 opt.step()
                 total += float(loss.detach()) * len(y)
@@ -180,4 +186,5 @@ class Method:
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Logits at evaluation time."""
-        return self.model(x)
+        with autocast_for(x):
+            return self.model(x).float()

@@ -1,0 +1,79 @@
+"""Training-step throughput of a method on a backbone: images/s of one client's local update.
+
+    python benchmarks/bench_train.py                                   # vit_mini, CPU, every baseline
+    python benchmarks/bench_train.py --arch vit_base_patch16_224 --batch 40 --steps 20 --methods fedvpt head_tune
+        (random weights; on a GPU add --amp for bf16 autocast)
+
+Prints one line per method: images/s of forward+backward+step, measured after warm-up steps.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fedcore.backbones.images import to_model_input  # noqa: E402
+from fedcore.backbones.prompted import PromptedViT  # noqa: E402
+from fedcore.backbones.vit import backbone_info, build_vit  # noqa: E402
+from fedcore.methods import METHODS, method_class  # noqa: E402
+from fedcore.methods.base import make_optimizer  # noqa: E402
+
+
+def bench(method: str, arch: str, batch: int, steps: int, warmup: int, device: torch.device, amp: bool) -> float:
+    """Images/s of ``steps`` optimiser steps of ``method`` on random uint8 images."""
+    torch.manual_seed(0)
+    vit = build_vit(arch)
+    info = backbone_info(vit)
+    m = method_class(method)(PromptedViT(vit).to(device), 100, {})
+    m.model.to(device)
+    params = [p for p in m.model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, {"name": "sgd", "lr": 0.01, "momentum": 0.9})
+    raw = torch.randint(0, 256, (batch, 32, 32, 3), dtype=torch.uint8, device=device)
+    y = torch.randint(0, 100, (batch,), device=device)
+
+    def step() -> None:
+        x = to_model_input(raw, info["img_size"], info["mean"], info["std"])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = m.loss(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    """Parse arguments and print one throughput line per method."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="vit_mini")
+    ap.add_argument("--methods", nargs="+", default=sorted(METHODS))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--amp", action="store_true", help="bf16 autocast (GPU)")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {a.threads} thread(s)"
+    print(f"# {a.arch}, batch {a.batch}, {a.steps} steps, {name}, amp={a.amp}")
+    for method in a.methods:
+        print(f"{method:10s} {bench(method, a.arch, a.batch, a.steps, a.warmup, device, a.amp):10.1f} images/s")
+
+
+if __name__ == "__main__":
+    main()
