@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcore.backbones.prompted import PromptedViT
+from fedcore.backbones.prompted import PromptedViT, attention_backend
 from fedcore.backbones.vit import backbone_info, build_vit
 from fedcore.data.arrays import load_bundle
-from fedcore.engine.data import DeviceSplit, InputPipeline
+from fedcore.engine.data import DeviceSplit, InputPipeline, cache_features
 from fedcore.engine.evaluate import EvalSets
 from fedcore.engine.loop import RunResult, RunSpec, run_federated
 from fedcore.engine.sampling import stream_seed
@@ -77,15 +77,22 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
 
     train = DeviceSplit.from_arrays(bundle.train, dev)
     test = DeviceSplit.from_arrays(bundle.test, dev)
+    pipeline = InputPipeline(info["img_size"], info["mean"], info["std"])
+    extractor = method.frozen_features()
+    if extractor is not None:
+        # features that nothing trained can change are computed once, not every epoch and round
+        bs = int(params.get("evaluation", {}).get("batch_size", 256))
+        with attention_backend(dev):
+            train, test = (cache_features(s, extractor, pipeline, bs) for s in (train, test))
     source = train if part.spec.get("test_from") == "train" else test
     to_idx = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
     evaluation = dict(params.get("evaluation", {}))
     eval_sets = EvalSets(source, [to_idx(t) for t in part.test], test, evaluation.get("global_test", "pooled_local"))
-    pipeline = InputPipeline(info["img_size"], info["mean"], info["std"])
     spec = RunSpec(identity=dict(identity), federation=params["federation"], optimizer=params["optimizer"],
                    evaluation=evaluation, final_window=int(params.get("final_window", 1)))
-    result = run_federated(method, train, test, [to_idx(t) for t in part.train], eval_sets, pipeline, spec,
-                           checkpoint_path, stop_after_round=stop_after_round, progress=progress)
+    with attention_backend(dev):
+        result = run_federated(method, train, test, [to_idx(t) for t in part.train], eval_sets, pipeline, spec,
+                               checkpoint_path, stop_after_round=stop_after_round, progress=progress)
     if result is None:
         return None
     with atomic_path(final_out, suffix=".pt") as tmp:

@@ -48,6 +48,7 @@ rule check_data:
         touch(f"{RESULTS}/check_data.{SCALE}.ok"),
     params:
         datasets=CFG.datasets(),
+        weights=[backbone_file(b) for b in CFG.backbones_needed() if "pretrain" not in CFG.backbones[b]],
         resources=RESOURCES,
         checksums=str(CFG.checksums_path),
     log:

@@ -128,3 +128,25 @@ def test_unknown_method_param_is_rejected(tiny_run_files):
 
     with pytest.raises(ValueError, match=r"method_params.fedvpt: unknown key\(s\) \['prompt_len'\]"):
         method_class("fedvpt")(PromptedViT(build_vit("vit_mini")), 4, {"prompt_len": 3})
+
+
+def test_cached_features_give_the_same_numbers_as_the_full_forward(tiny_run_files, tmp_path, monkeypatch):
+    """Head-Tune's feature cache is a pure speed-up: metrics equal those of running the backbone each step."""
+    import fedcore.train
+    from fedcore.methods.base import Method
+    from fedcore.methods.head_tune import HeadTune
+
+    class Uncached(HeadTune):
+        def frozen_features(self):
+            return None
+
+        loss, predict = Method.loss, Method.predict
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    cached = _train(tiny_run_files, tmp_path / "a", method="head_tune", ckpt=False).metrics
+    monkeypatch.setattr(fedcore.train, "method_class", lambda name: Uncached)
+    full = _train(tiny_run_files, tmp_path / "b", method="head_tune", ckpt=False).metrics
+    pd.testing.assert_frame_equal(cached.drop(columns="value"), full.drop(columns="value"))
+    acc = cached["metric"] != "loss"
+    assert (cached["value"][acc].to_numpy() == full["value"][acc].to_numpy()).all()
+    assert abs(cached["value"][~acc].to_numpy() - full["value"][~acc].to_numpy()).max() < 1e-5

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -13,10 +13,15 @@ from fedcore.data.arrays import ArrayDataset
 
 @dataclass
 class DeviceSplit:
-    """One split's images (uint8 NHWC) and labels, resident on the run's device."""
+    """One split's images (uint8 NHWC) and labels, resident on the run's device.
+
+    ``features`` holds cached frozen-backbone features when the method allows it (head-only methods):
+    batches are then rows of it instead of images.
+    """
 
     x: torch.Tensor
     y: torch.Tensor
+    features: torch.Tensor | None = None
 
     @classmethod
     def from_arrays(cls, ds: ArrayDataset, device: torch.device) -> "DeviceSplit":
@@ -35,6 +40,19 @@ class InputPipeline:
         """Model input for a uint8 (B,H,W,3) batch."""
         return to_model_input(x_uint8, self.img_size, self.mean, self.std)
 
+    def batch(self, split: DeviceSplit, idx: torch.Tensor) -> torch.Tensor:
+        """The method's input for rows ``idx``: cached features if present, else model-ready images."""
+        return split.features[idx] if split.features is not None else self(split.x[idx])
+
+
+@torch.no_grad()
+def cache_features(split: DeviceSplit, extractor: Callable[[torch.Tensor], torch.Tensor],
+                   pipeline: InputPipeline, batch_size: int) -> DeviceSplit:
+    """A copy of ``split`` carrying ``extractor``'s features of every image (computed once per run)."""
+    idx = torch.arange(len(split.y), device=split.y.device)
+    feats = [extractor(pipeline(split.x[i])).float() for i in idx.split(batch_size)]
+    return DeviceSplit(split.x, split.y, torch.cat(feats) if feats else None)
+
 
 def iterate_batches(split: DeviceSplit, indices: torch.Tensor, batch_size: int, pipeline: InputPipeline,
                     generator: torch.Generator | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -45,4 +63,4 @@ def iterate_batches(split: DeviceSplit, indices: torch.Tensor, batch_size: int, 
         order = indices
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        yield pipeline(split.x[idx]), split.y[idx]
+        yield pipeline.batch(split, idx), split.y[idx]

@@ -131,6 +131,11 @@ class Method:
         """Tensors each client keeps across rounds (default: none)."""
         return []
 
+    def frozen_features(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A feature map that no trainable tensor affects, or None. When given, the engine computes it
+        once per image and the method's ``loss``/``predict`` receive features instead of images."""
+        return None
+
     # ---- state plumbing (engine uses these) --------------------------------------------------
     def get_state(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Detached copies of the named tensors."""
