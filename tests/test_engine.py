@@ -74,10 +74,18 @@ def test_interrupted_run_resumes_to_identical_metrics(tiny_run_files, tmp_path):
 
 
 def test_checkpoint_from_other_settings_is_not_resumed(tiny_run_files, tmp_path):
-    _train(tiny_run_files, tmp_path, rounds=4, stop=2)
-    other = _train(tiny_run_files, tmp_path, rounds=4, lr_unused=None) if False else None  # noqa: F841
-    fresh = _train(tiny_run_files, tmp_path, rounds=3)  # different budget -> different fingerprint
-    assert sorted(fresh.metrics["round"].unique()) == [1, 2, 3]
+    def run(lr, work, stop=None):
+        params = run_params(rounds=3)
+        params["optimizer"]["lr"] = lr
+        return train_run(params, identity("fedvpt"), tiny_run_files["dataset"], tiny_run_files["partition"],
+                         "vit_mini", tiny_run_files["weights"], work / "m.parquet", work / "f.pt",
+                         checkpoint_path=tmp_path / "ckpt.pt", progress=False, stop_after_round=stop)
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    assert run(0.05, tmp_path / "a", stop=2) is None            # leaves a round-2 checkpoint for lr 0.05
+    other = run(0.01, tmp_path / "a").metrics                    # lr changed: must start from round 1
+    clean = run(0.01, tmp_path / "b").metrics                    # reference: no checkpoint at all
+    pd.testing.assert_frame_equal(other, clean)
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -150,3 +158,10 @@ def test_cached_features_give_the_same_numbers_as_the_full_forward(tiny_run_file
     acc = cached["metric"] != "loss"
     assert (cached["value"][acc].to_numpy() == full["value"][acc].to_numpy()).all()
     assert abs(cached["value"][~acc].to_numpy() - full["value"][~acc].to_numpy()).max() < 1e-5
+
+
+def test_unreadable_checkpoint_is_reported_not_overwritten(tiny_run_files, tmp_path):
+    (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(RuntimeError, match=r"checkpoint .*ckpt.pt cannot be read .*delete it"):
+        _train(tiny_run_files, tmp_path, rounds=2)
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"not a checkpoint"

@@ -73,8 +73,12 @@ class Checkpoint:
         """The saved state, or None to start fresh."""
         if self.path is None or not self.path.exists():
             return None
-        state = torch.load(self.path, map_location="cpu", weights_only=False)
-        if state.get("fingerprint") != self.fingerprint:
+        try:
+            state = torch.load(self.path, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
+            raise RuntimeError(f"checkpoint {self.path} cannot be read ({type(e).__name__}: {e}); delete it to "
+                               "restart this run from round 1") from e
+        if not isinstance(state, dict) or state.get("fingerprint") != self.fingerprint:
             log.warning("checkpoint %s was written for other settings; starting from round 1", self.path)
             return None
         return state
