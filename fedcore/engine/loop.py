@@ -17,11 +17,11 @@ from fedcore.engine.evaluate import EvalSets, evaluate_round
 from fedcore.engine.sampling import sample_clients, stream_seed
 from fedcore.io import atomic_path
 from fedcore.methods.base import ClientData, Method, TrainSettings
+from fedcore.report.aggregate import METRIC_COLUMNS, METRIC_DTYPES
 
 log = logging.getLogger(__name__)
 
-IDENTITY_COLUMNS = ["paper", "experiment", "method", "scale", "dataset", "seed"]
-METRIC_COLUMNS = IDENTITY_COLUMNS + ["round", "client", "split", "metric", "value"]
+IDENTITY_COLUMNS = METRIC_COLUMNS[:6]  # paper, experiment, method, scale, dataset, seed
 
 
 @dataclass
@@ -131,21 +131,13 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
             sample_clients(num_clients, float(fed["participation"]), spec.seed, r)
         uploads, weights, losses = [], [], []
         for c in selected:
-            method.set_state(state["global"])
-            method.set_state(state["personal"].get(c, init_personal))
-            torch.manual_seed(stream_seed(spec.seed, r, c, 1))  # any method-internal randomness
-            gen = torch.Generator(device="cpu").manual_seed(stream_seed(spec.seed, r, c, 0))
-            idx = client_train[c]
-            data = ClientData(c, len(idx), lambda idx=idx, gen=gen: iterate_batches(
-                train, idx, settings.batch_size, pipeline, gen), gen)
-            stats = method.local_update(data, settings)
-            if personal:
-                state["personal"][c] = method.get_state(personal)
+            data, stats = _local_round(method, state, c, r, spec.seed, client_train[c], train, pipeline,
+                                       settings, init_personal)
             if shared:
                 uploads.append(method.upload(data, stats))
-                weights.append(float(len(idx)))
+                weights.append(float(len(client_train[c])))
             losses.append(stats.get("loss", float("nan")))
-            state["rows"].append((r, c, "train", "loss", float(stats.get("loss", float("nan")))))
+            state["rows"].append((r, c, "train", "loss", float(losses[-1])))
         if uploads:
             state["global"] = method.aggregate(state["global"], uploads, weights, state["server"])
         state["rows"].append((r, -1, "train", "loss", float(sum(losses) / len(losses))))
@@ -165,12 +157,26 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
                      state["server"])
 
 
+def _local_round(method: Method, state: dict, c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSplit,
+                 pipeline: InputPipeline, settings: TrainSettings,
+                 init_personal: dict) -> tuple[ClientData, dict[str, float]]:
+    """One client's update in round r from the current global and its own personal state."""
+    method.set_state(state["global"])
+    method.set_state(state["personal"].get(c, init_personal))
+    torch.manual_seed(stream_seed(seed, r, c, 1))  # any method-internal randomness
+    gen = torch.Generator(device="cpu").manual_seed(stream_seed(seed, r, c, 0))
+    data = ClientData(c, len(idx), lambda: iterate_batches(train, idx, settings.batch_size, pipeline, gen), gen)
+    stats = method.local_update(data, settings)
+    personal = method.personal_names()
+    if personal:
+        state["personal"][c] = method.get_state(personal)
+    return data, stats
+
+
 def metrics_frame(rows: list[tuple], identity: dict[str, Any]) -> pd.DataFrame:
     """Long-form metrics with the run identity on every row, in the schema's column order and dtypes."""
     df = pd.DataFrame(rows, columns=["round", "client", "split", "metric", "value"])
     for k in reversed(IDENTITY_COLUMNS):
         df.insert(0, k, identity[k])
-    df = df.astype({"paper": str, "experiment": str, "method": str, "scale": str, "dataset": str,
-                    "seed": "int64", "round": "int64", "client": "int64", "split": str, "metric": str,
-                    "value": "float64"})
+    df = df.astype({c: (str if t == "str" else t) for c, t in METRIC_DTYPES.items()})
     return df[METRIC_COLUMNS]
