@@ -165,3 +165,15 @@ def test_unreadable_checkpoint_is_reported_not_overwritten(tiny_run_files, tmp_p
     with pytest.raises(RuntimeError, match=r"checkpoint .*ckpt.pt cannot be read .*delete it"):
         _train(tiny_run_files, tmp_path, rounds=2)
     assert (tmp_path / "ckpt.pt").read_bytes() == b"not a checkpoint"
+
+
+def test_partition_that_does_not_fit_the_dataset_is_rejected_before_training(tiny_run_files, tmp_path):
+    from fedcore.partition import Partition
+    import numpy as np
+
+    bad = Partition(train=[np.array([0, 1, 10_000])], test=[np.array([0])], spec={"scheme": "iid"}, seed=0)
+    bad.save(tmp_path / "bad.npz")
+    with pytest.raises(ValueError, match=r"client 0 train indices exceed the dataset's 240 train images"):
+        train_run(run_params(), identity("fedvpt"), tiny_run_files["dataset"], tmp_path / "bad.npz", "vit_mini",
+                  tiny_run_files["weights"], tmp_path / "m.parquet", tmp_path / "f.pt", progress=False)
+    assert not (tmp_path / "m.parquet").exists()
