@@ -42,7 +42,7 @@ def seed_everything(seed: int) -> None:
 def check_partition(part: Partition, n_train: int, n_test: int, where: str) -> None:
     """Indices must fit the dataset they were made for (a stale partition file would silently misindex)."""
     test_len = n_train if part.spec.get("test_from") == "train" else n_test
-    for c, (tr, te) in enumerate(zip(part.train, part.test)):
+    for c, (tr, te) in enumerate(zip(part.train, part.test, strict=True)):
         if len(tr) and (tr.max() >= n_train or tr.min() < 0):
             raise ValueError(f"{where}: client {c} train indices exceed the dataset's {n_train} train images")
         if len(te) and (te.max() >= test_len or te.min() < 0):

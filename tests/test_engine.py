@@ -25,6 +25,8 @@ def test_weighted_average_matches_hand_arithmetic():
 def test_weighted_average_rejects_bad_weights():
     with pytest.raises(ValueError, match="positive sum"):
         weighted_average([{"w": torch.ones(1)}], [0.0])
+    with pytest.raises(ValueError, match="one weight per state, got 2 states and 1 weights"):
+        weighted_average([{"w": torch.ones(1)}, {"w": torch.ones(1)}], [1.0])
 
 
 def test_server_momentum():

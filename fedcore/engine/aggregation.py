@@ -17,14 +17,15 @@ def normalized_weights(weights: Sequence[float]) -> list[float]:
 def weighted_average(states: Sequence[Mapping[str, Any]], weights: Sequence[float],
                      names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """Sum_i w_i * state_i[name] over the named subset (all keys of the first state by default)."""
-    if not states:
-        raise ValueError("weighted_average needs at least one state")
+    if not states or len(states) != len(weights):
+        raise ValueError(f"weighted_average needs one weight per state, got {len(states)} states and "
+                         f"{len(weights)} weights")
     w = normalized_weights(weights)
     names = list(names) if names is not None else list(states[0])
     out: dict[str, torch.Tensor] = {}
     for name in names:
         acc = torch.zeros_like(states[0][name], dtype=torch.float64)
-        for wi, s in zip(w, states):
+        for wi, s in zip(w, states, strict=True):
             acc += wi * s[name].to(torch.float64)
         out[name] = acc.to(states[0][name].dtype)
     return out
