@@ -179,3 +179,37 @@ def test_partition_that_does_not_fit_the_dataset_is_rejected_before_training(tin
         train_run(run_params(), identity("fedvpt"), tiny_run_files["dataset"], tmp_path / "bad.npz", "vit_mini",
                   tiny_run_files["weights"], tmp_path / "m.parquet", tmp_path / "f.pt", progress=False)
     assert not (tmp_path / "m.parquet").exists()
+
+
+@pytest.fixture
+def uneven_files(tiny_run_files, tmp_path):
+    """The tiny run files with clients of 20, 45, 70 and 105 training images (1, 3, 5 and 7 batches)."""
+    import numpy as np
+    from fedcore.partition import Partition
+
+    cuts = np.cumsum([0, 20, 45, 70, 105])
+    perm = np.random.default_rng(0).permutation(240)
+    test = np.array_split(np.arange(80), 4)
+    Partition([perm[a:b] for a, b in zip(cuts[:-1], cuts[1:])], test, {"scheme": "iid"}, 0).save(tmp_path / "p.npz")
+    return {**tiny_run_files, "partition": tmp_path / "p.npz"}
+
+
+@pytest.mark.parametrize("method", ["fedvpt", "fedvpt_d", "local"])
+def test_clients_trained_together_equal_clients_trained_one_by_one(uneven_files, tmp_path, monkeypatch, method):
+    """The batched round (fedcore/engine/batched.py) is a pure speed-up of the one-by-one loop, also when
+    clients run out of batches at different steps."""
+    import fedcore.engine.loop as loop
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    kw = dict(method=method, ckpt=False, rounds=3, participation=1.0, local_epochs=2)
+    together = _train(uneven_files, tmp_path / "a", **kw)
+    monkeypatch.setattr(loop, "can_batch", lambda *a: False)
+    one_by_one = _train(uneven_files, tmp_path / "b", **kw)
+    a, b = together.metrics, one_by_one.metrics
+    pd.testing.assert_frame_equal(a.drop(columns="value"), b.drop(columns="value"))
+    assert abs(a["value"].to_numpy() - b["value"].to_numpy()).max() < 1e-4
+    states_a = [together.global_state] if together.global_state else list(together.personal_states.values())
+    states_b = [one_by_one.global_state] if one_by_one.global_state else list(one_by_one.personal_states.values())
+    for sa, sb in zip(states_a, states_b, strict=True):
+        for name in sa:
+            assert torch.allclose(sa[name], sb[name], atol=1e-5), name

@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from fedcore.engine.batched import can_batch, train_together
 from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
 from fedcore.engine.evaluate import EvalSets, evaluate_round
 from fedcore.engine.sampling import sample_clients, stream_seed
@@ -130,14 +131,21 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
         selected = list(range(num_clients)) if method.train_all_clients else \
             sample_clients(num_clients, float(fed["participation"]), spec.seed, r)
         uploads, weights, losses = [], [], []
-        for c in selected:
-            data, stats = _local_round(method, state, c, r, spec.seed, client_train[c], train, pipeline,
-                                       settings, init_personal)
+        datas = [_client_data(c, r, spec.seed, client_train[c], train, pipeline, settings) for c in selected]
+        starts = [_start_state(method, state, c, init_personal) for c in selected]
+        if can_batch(method, settings, len(selected)):
+            outcomes = train_together(method, starts, datas, settings)
+        else:
+            outcomes = [_train_one(method, start, data, settings, spec.seed, r) for start, data in zip(starts, datas)]
+        for data, (final, stats) in zip(datas, outcomes, strict=True):
+            method.set_state(final)
+            if personal:
+                state["personal"][data.cid] = method.get_state(personal)
             if shared:
                 uploads.append(method.upload(data, stats))
-                weights.append(float(len(client_train[c])))
+                weights.append(float(data.num_samples))
             losses.append(stats.get("loss", float("nan")))
-            state["rows"].append((r, c, "train", "loss", float(losses[-1])))
+            state["rows"].append((r, data.cid, "train", "loss", float(losses[-1])))
         if uploads:
             state["global"] = method.aggregate(state["global"], uploads, weights, state["server"])
         state["rows"].append((r, -1, "train", "loss", float(sum(losses) / len(losses))))
@@ -157,20 +165,27 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
                      state["server"])
 
 
-def _local_round(method: Method, state: dict, c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSplit,
-                 pipeline: InputPipeline, settings: TrainSettings,
-                 init_personal: dict) -> tuple[ClientData, dict[str, float]]:
-    """One client's update in round r from the current global and its own personal state."""
+def _client_data(c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSplit, pipeline: InputPipeline,
+                 settings: TrainSettings) -> ClientData:
+    """Client c's data in round r, its batch order drawn from a generator keyed by (seed, r, c)."""
+    gen = torch.Generator(device="cpu").manual_seed(stream_seed(seed, r, c, 0))
+    return ClientData(c, len(idx), lambda: iterate_batches(train, idx, settings.batch_size, pipeline, gen), gen)
+
+
+def _start_state(method: Method, state: dict, c: int, init_personal: dict) -> dict[str, torch.Tensor]:
+    """Client c's trainable tensors at the start of its update: the global ones plus its personal ones."""
     method.set_state(state["global"])
     method.set_state(state["personal"].get(c, init_personal))
-    torch.manual_seed(stream_seed(seed, r, c, 1))  # any method-internal randomness
-    gen = torch.Generator(device="cpu").manual_seed(stream_seed(seed, r, c, 0))
-    data = ClientData(c, len(idx), lambda: iterate_batches(train, idx, settings.batch_size, pipeline, gen), gen)
+    return method.get_state(method.trainable_names())
+
+
+def _train_one(method: Method, start: dict[str, torch.Tensor], data: ClientData, settings: TrainSettings,
+               seed: int, r: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """One client's local update on its own; returns its final trainable tensors and stats."""
+    method.set_state(start)
+    torch.manual_seed(stream_seed(seed, r, data.cid, 1))  # any method-internal randomness
     stats = method.local_update(data, settings)
-    personal = method.personal_names()
-    if personal:
-        state["personal"][c] = method.get_state(personal)
-    return data, stats
+    return method.get_state(method.trainable_names()), stats
 
 
 def metrics_frame(rows: list[tuple], identity: dict[str, Any]) -> pd.DataFrame:

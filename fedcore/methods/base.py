@@ -73,6 +73,17 @@ class PromptClassifier(nn.Module):
         """Logits."""
         return self.head(self.features(x))
 
+    def forward_owned(self, x: torch.Tensor, params: dict[str, torch.Tensor], owner: torch.Tensor) -> torch.Tensor:
+        """Logits when sample i uses client owner[i]'s tensors; ``params`` stacks them on a leading client axis.
+
+        This lets the engine train several clients' prompts and heads in one forward of the frozen backbone.
+        """
+        prompts = {i: params[f"prompts.{i}"][owner] for i in range(len(self.prompts))}  # (B, n, D) each
+        mode = "replace" if self.prompt_mode == "deep" else "insert"
+        feats = self.backbone.forward_tokens(x, prompts, mode=mode)[:, 0]
+        logits = (params["head.weight"][owner] @ feats.unsqueeze(-1)).squeeze(-1)
+        return logits + params["head.bias"][owner]
+
 
 def autocast_for(x: torch.Tensor) -> torch.autocast:
     """bf16 autocast on CUDA (the frozen ViT dominates the cost), a no-op on CPU (keeps CPU runs bit-exact)."""
@@ -101,6 +112,9 @@ class Method:
     personalized: ClassVar[bool] = False
     #: train every client every round regardless of participation (Local)
     train_all_clients: ClassVar[bool] = False
+    #: the engine may train a round's clients together (fedcore/engine/batched.py): only for methods whose
+    #: local update is plain cross-entropy SGD on PromptClassifier tensors, with no other randomness
+    batched_clients: ClassVar[bool] = False
     #: default method parameters; the experiment's ``method_params[name]`` overrides them
     defaults: ClassVar[dict[str, Any]] = {}
 

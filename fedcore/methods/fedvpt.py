@@ -10,6 +10,7 @@ class FedVPT(Method):
     """Shallow visual prompts + head; SGPT spec 7.15 recommends prompt length 1 to match SGPT's budget."""
 
     name = "fedvpt"
+    batched_clients = True
     defaults = {"num_prompts": 1}
 
     def build(self) -> nn.Module:

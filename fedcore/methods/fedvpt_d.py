@@ -10,6 +10,7 @@ class FedVPTDeep(Method):
     """Deep visual prompts + head; prompt length 1 per block by default (SGPT spec 7.15)."""
 
     name = "fedvpt_d"
+    batched_clients = True
     defaults = {"num_prompts": 1}
 
     def build(self) -> nn.Module:

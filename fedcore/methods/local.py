@@ -16,6 +16,7 @@ class Local(Method):
     name = "local"
     personalized = True
     train_all_clients = True
+    batched_clients = True
     defaults = {"num_prompts": 1}
 
     def build(self) -> nn.Module:
