@@ -208,6 +208,7 @@ def _resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_fil
     out.setdefault("evaluation", {})
     out["evaluation"].setdefault("global_test", "pooled_local")
     out["federation"] = deep_merge(out["federation"], scale.get("federation", {}))
+    out["evaluation"] = deep_merge(out["evaluation"], scale.get("evaluation", {}))
     out = deep_merge(out, scale.get("experiments", {}).get(name, {}))
     out["dataset_logical"], out["dataset"] = exp["dataset"], scale["datasets"][exp["dataset"]]
     out["backbone"] = scale["backbones"][exp["backbone"]]

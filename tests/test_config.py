@@ -34,6 +34,8 @@ def test_paper_scale_keeps_paper_budget():
     assert exp["dataset"] == "cifar100" and exp["backbone"] == "vit_b16_in21k"
     assert exp["federation"] == {"rounds": 60, "participation": 0.05, "local_epochs": 5, "batch_size": 40}
     assert exp["partition"]["clients"] == 100 and exp["partition"]["classes_per_client"] == 10
+    assert exp["evaluation"] == {"global_test": "pooled_local", "every": 5}
+    assert cfg.train_params("sgpt_c100_s10", "local")["final_window"] == 10
 
 
 def test_train_params_are_one_runs_slice():

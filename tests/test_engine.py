@@ -213,3 +213,10 @@ def test_clients_trained_together_equal_clients_trained_one_by_one(uneven_files,
     for sa, sb in zip(states_a, states_b, strict=True):
         for name in sa:
             assert torch.allclose(sa[name], sb[name], atol=1e-5), name
+
+
+def test_evaluated_rounds_cover_every_kth_and_the_whole_report_window():
+    from fedcore.engine.loop import RunSpec
+
+    spec = RunSpec(identity={}, federation={"rounds": 60}, optimizer={}, evaluation={"every": 5}, final_window=10)
+    assert [r for r in range(1, 61) if spec.evaluated(r)] == list(range(5, 51, 5)) + list(range(51, 61))
