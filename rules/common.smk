@@ -16,8 +16,11 @@ wildcard_constraints:
     name=r"[A-Za-z0-9_]+",
     weights_file=r"[A-Za-z0-9_.\-]+",
 
-# The fedcore package actually imported (an editable install or PYTHONPATH), so code edits are tracked
+# The fedcore package actually imported (an editable install or PYTHONPATH), so code edits are tracked;
+# relative to the working directory when it lies inside it, so moving the checkout reruns nothing.
 FEDCORE = Path(fedcore.__file__).parent
+if FEDCORE.resolve().is_relative_to(Path.cwd().resolve()):
+    FEDCORE = FEDCORE.resolve().relative_to(Path.cwd().resolve())
 
 # Engine code every training job runs; an edit here reruns every training job (by design).
 ENGINE_SOURCES = sorted(
@@ -79,7 +82,7 @@ def train_inputs(wildcards):
         "dataset": dataset_file(exp["dataset"]),
         "partition": partition_file(wildcards.experiment, wildcards.seed),
         "backbone": backbone_file(exp["backbone"]),
-        "code": ENGINE_SOURCES + [str(method_source(wildcards.method))],
+        "code": ENGINE_SOURCES + [str(FEDCORE / "methods" / method_source(wildcards.method).name)],
     }
 
 
