@@ -132,11 +132,12 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
             sample_clients(num_clients, float(fed["participation"]), spec.seed, r)
         uploads, weights, losses = [], [], []
         datas = [_client_data(c, r, spec.seed, client_train[c], train, pipeline, settings) for c in selected]
-        starts = [_start_state(method, state, c, init_personal) for c in selected]
         if can_batch(method, settings, len(selected)):
+            starts = [_start_state(method, state, c, init_personal) for c in selected]
             outcomes = train_together(method, starts, datas, settings)
-        else:
-            outcomes = [_train_one(method, start, data, settings, spec.seed, r) for start, data in zip(starts, datas)]
+        else:  # lazily, so only one client's start state exists at a time (a whole ViT for FedAvg)
+            outcomes = (_train_one(method, _start_state(method, state, d.cid, init_personal), d, settings,
+                                   spec.seed, r) for d in datas)
         for data, (final, stats) in zip(datas, outcomes, strict=True):
             method.set_state(final)
             if personal:
