@@ -42,7 +42,7 @@ def _masked_sgd(params: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor], 
             new = d_p.clone() if buf is None else buf.mul(momentum).add(d_p)
             bufs[name] = new if buf is None else torch.where(mask, new, buf)
             d_p = bufs[name]
-        p.add_(torch.where(mask, d_p, torch.zeros_like(d_p)), alpha=-lr)
+        p.add_(torch.where(mask, d_p, 0.0), alpha=-lr)
         p.grad = None
 
 
@@ -54,8 +54,8 @@ def train_together(method: Method, starts: list[dict[str, torch.Tensor]], datas:
     params = {n: torch.stack([s[n] for s in starts]).detach().clone().requires_grad_(True) for n in names}
     bufs: dict[str, torch.Tensor] = {}
     streams = [_epochs(d, settings.local_epochs) for d in datas]
-    loss_sum = torch.zeros(k, dtype=torch.float64)
-    seen = torch.zeros(k, dtype=torch.float64)
+    # loss sums stay on the device: reading them every step would sync the GPU once per step
+    loss_sum = seen = None
     while True:
         xs, ys, owners, active = [], [], [], []
         for c, stream in enumerate(streams):
@@ -75,7 +75,8 @@ def train_together(method: Method, starts: list[dict[str, torch.Tensor]], datas:
         mask = torch.zeros(k, dtype=torch.bool, device=ce.device)
         mask[active] = True
         _masked_sgd(params, bufs, mask, settings.optimizer)
-        loss_sum += (per_client.detach() * n).double().cpu()
-        seen += n.double().cpu()
-    return [({n: params[n][c].detach().clone() for n in names}, {"loss": float(loss_sum[c] / max(seen[c], 1))})
-            for c in range(k)]
+        step_sum, step_n = (per_client.detach() * n).double(), n.double()
+        loss_sum = step_sum if loss_sum is None else loss_sum + step_sum
+        seen = step_n if seen is None else seen + step_n
+    mean_loss = (loss_sum / seen.clamp(min=1)).tolist() if loss_sum is not None else [float("nan")] * k
+    return [({n: params[n][c].detach().clone() for n in names}, {"loss": mean_loss[c]}) for c in range(k)]

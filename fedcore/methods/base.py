@@ -181,7 +181,7 @@ class Method:
                    epochs: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """Plain minibatch training of ``params`` with a fresh optimiser (a helper for overrides)."""
         opt = make_optimizer(params, settings.optimizer)
-        total, count = 0.0, 0
+        total, count = None, 0  # the loss sum stays on the device: no GPU sync per step
         for _ in range(epochs):
             for x, y in data.batches():
                 opt.zero_grad(set_to_none=True)
@@ -189,9 +189,10 @@ class Method:
                     loss = loss_fn(x, y)
                 loss.backward()
                 opt.step()
-                total += float(loss.detach()) * len(y)
+                step = loss.detach().double() * len(y)
+                total = step if total is None else total + step
                 count += len(y)
-        return {"loss": total / max(count, 1)}
+        return {"loss": float(total) / count if count else float("nan")}
 
     def upload(self, data: ClientData, stats: dict[str, float]) -> dict[str, Any]:
         """What the client sends to the server after its update."""
