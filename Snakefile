@@ -16,6 +16,7 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/backbones.smk"
 include: "rules/partitions.smk"
+include: "rules/features.smk"
 include: "rules/train.smk"
 include: "rules/report.smk"
 

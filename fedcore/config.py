@@ -102,6 +102,7 @@ class Resolved:
     experiments: dict[str, dict] = field(default_factory=dict)
     tables: dict[str, dict] = field(default_factory=dict)
     figures: dict[str, dict] = field(default_factory=dict)
+    variants: dict[str, dict] = field(default_factory=dict)   # name -> {method, params, label}
     backbones: dict[str, dict] = field(default_factory=dict)
     checksums_path: Path | None = None
 
@@ -132,24 +133,41 @@ class Resolved:
         """(dataset, partition id) -> validated partition spec."""
         return {(exp["dataset"], exp["partition_id"]): exp["partition"] for exp in self.experiments.values()}
 
+    def base_method(self, method: str) -> str:
+        """The registered method a run's method name executes (itself, or the variant's method)."""
+        return self.variants[method]["method"] if method in self.variants else method
+
+    def method_params(self, experiment: str, method: str) -> dict[str, Any]:
+        """A run's method params: the experiment's for the base method, then the variant's, then the
+        experiment's for the variant name (so a scale can adapt one variant in one experiment)."""
+        given = self.experiments[experiment].get("method_params", {})
+        base = self.base_method(method)
+        out = copy.deepcopy(given.get(base, {}))
+        if method in self.variants:
+            out = deep_merge(out, self.variants[method].get("params", {}))
+            out = deep_merge(out, given.get(method, {}))
+        return out
+
     def train_params(self, experiment: str, method: str) -> dict[str, Any]:
         """Only what one run depends on, so editing another experiment or method reruns nothing here."""
         exp = self.experiments[experiment]
         out = {k: copy.deepcopy(exp[k]) for k in TRAIN_KEYS}
-        out["method_params"] = copy.deepcopy(exp.get("method_params", {}).get(method, {}))
+        out["method"] = self.base_method(method)
+        out["method_params"] = self.method_params(experiment, method)
         out["final_window"] = exp["report"].get("rounds", 1) if exp["report"]["window"] == "last" else 1
         out["paper"] = exp["paper"]
         return out
 
     def report_view(self) -> dict[str, dict]:
         """Experiments as the report step needs them (methods and report window)."""
-        return {e: {"methods": list(x["methods"]), "report": dict(x["report"]), "paper": x["paper"]}
+        return {e: {"methods": list(x["methods"]), "report": dict(x["report"]), "paper": x["paper"],
+                    "dataset": x["dataset"], "rounds": x["federation"]["rounds"]}
                 for e, x in self.experiments.items()}
 
 
 def load_config(config: dict, root: str | Path = ".") -> Resolved:
     """Validate the top-level config, load the papers' experiments and map them onto the scale."""
-    from fedcore.methods import METHODS
+    from fedcore.methods import METHODS, method_class
     from fedcore.partition import partition_id, validate_spec
     from fedcore.data.registry import DATASETS
 
@@ -176,18 +194,35 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
         exp_file = root / CONFIG_DIR / "experiments" / f"{paper}.yaml"
         doc = read_yaml(exp_file)
         validate(doc, schema, "experiment_file", str(exp_file))
+        variants = deep_merge(doc.get("variants", {}), scale.get("variants", {}))
+        for vname, variant in variants.items():
+            vwhere = f"{exp_file} / {scale_file} (variant {vname})"
+            validate(variant, schema, "variant", vwhere)
+            _check_name(variant["method"], METHODS, vwhere, "method")
+            if vname in METHODS or vname in resolved.variants:
+                raise ConfigError(f"config error in {vwhere}: the name {vname!r} is already a method or variant")
+            resolved.variants[vname] = variant
         for name, exp in doc["experiments"].items():
             if name in resolved.experiments:
                 raise ConfigError(f"experiment {name!r} in {exp_file} is defined twice")
             where = f"{exp_file} (experiment {name})"
             _check_name(exp["dataset"], scale["datasets"], where, "dataset")
             _check_name(exp["backbone"], scale["backbones"], where, "backbone")
-            for i, m in enumerate(exp["methods"]):
-                _check_name(m, METHODS, where, f"methods[{i}]")
-            for m in exp.get("method_params", {}):
-                _check_name(m, exp["methods"], where, f"method_params.{m}")
-            resolved.experiments[name] = _resolve_experiment(name, exp, doc["paper"], scale, scale_file,
-                                                             validate_spec, partition_id)
+            resolved.experiments[name] = out = _resolve_experiment(name, exp, doc["paper"], scale, scale_file,
+                                                                   validate_spec, partition_id)
+            where = f"{where} after {scale_file}"
+            runnable = set(METHODS) | set(resolved.variants)
+            for i, m in enumerate(out["methods"]):
+                _check_name(m, runnable, where, f"methods[{i}]")
+            bases = {resolved.base_method(m) for m in out["methods"]} | set(out["methods"])
+            for m in out.get("method_params", {}):
+                _check_name(m, bases, where, f"method_params.{m}")
+            for m in out["methods"]:
+                allowed = method_class(resolved.base_method(m)).defaults
+                unknown = sorted(set(resolved.method_params(name, m)) - set(allowed))
+                if unknown:
+                    raise ConfigError(f"config error in {where}: method {m!r} has unknown param(s) {unknown}; "
+                                      f"{resolved.base_method(m)} accepts {sorted(allowed)}")
         for name, table in doc.get("tables", {}).items():
             _check_table(name, table, resolved.experiments, exp_file)
             resolved.tables[name] = table

@@ -16,6 +16,7 @@ from fedcore.engine.data import DeviceSplit, InputPipeline, cache_features
 from fedcore.engine.evaluate import EvalSets
 from fedcore.engine.loop import RunResult, RunSpec, run_federated
 from fedcore.engine.sampling import stream_seed
+from fedcore.features import load_select_queries
 from fedcore.io import atomic_path
 from fedcore.methods import method_class
 from fedcore.partition import Partition
@@ -55,8 +56,13 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
               partition_path: str | Path, backbone_arch: str, backbone_weights: str | Path | None,
               metrics_out: str | Path, final_out: str | Path, checkpoint_path: str | Path | None = None,
               device: str = "auto", threads: int | None = None, progress: bool = True,
-              stop_after_round: int | None = None) -> RunResult | None:
-    """Train one (experiment, method, seed) and write its metrics Parquet and final state atomically."""
+              stop_after_round: int | None = None, select_queries: str | Path | None = None) -> RunResult | None:
+    """Train one (experiment, method, seed) and write its metrics Parquet and final state atomically.
+
+    ``params['method']`` names the registered method when the run's method is a variant of it
+    (e.g. identity method ``sgpt_share_only`` runs ``sgpt`` with the variant's params).
+    ``select_queries`` is the cached Select-query file (rule select_features) for methods that read it.
+    """
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)
@@ -72,11 +78,15 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     vit = build_vit(backbone_arch, backbone_weights)
     info = backbone_info(vit)
     backbone = PromptedViT(vit).to(dev)
-    method = method_class(identity["method"])(backbone, bundle.num_classes, params.get("method_params", {}))
+    cls = method_class(params.get("method", identity["method"]))
+    method = cls(backbone, bundle.num_classes, params.get("method_params", {}))
     method.model.to(dev)
 
     train = DeviceSplit.from_arrays(bundle.train, dev)
     test = DeviceSplit.from_arrays(bundle.test, dev)
+    if cls.uses_select_queries:
+        train.queries, test.queries = load_select_queries(select_queries, len(bundle.train), len(bundle.test),
+                                                          method.params.get("select_block"), dev)
     pipeline = InputPipeline(info["img_size"], info["mean"], info["std"])
     extractor = method.frozen_features()
     if extractor is not None:

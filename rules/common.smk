@@ -2,7 +2,7 @@
 import glob as _glob
 
 import fedcore
-from fedcore.methods import method_source
+from fedcore.methods import method_class, method_source
 
 SCALE = CFG.scale
 
@@ -15,6 +15,7 @@ wildcard_constraints:
     backbone=r"[A-Za-z0-9_]+",
     name=r"[A-Za-z0-9_]+",
     weights_file=r"[A-Za-z0-9_.\-]+",
+    block=r"\d+",
 
 # The fedcore package actually imported (an editable install or PYTHONPATH), so code edits are tracked;
 # relative to the working directory when it lies inside it, so moving the checkout reruns nothing.
@@ -76,14 +77,31 @@ def partition_spec(wildcards):
     return CFG.partitions()[(wildcards.dataset, wildcards.pid)]
 
 
+def select_queries_file(exp_name, method):
+    """The cached Select queries a run reads, or None if its method does not use them."""
+    base = CFG.base_method(method)
+    if not method_class(base).uses_select_queries:
+        return None
+    exp = CFG.experiments[exp_name]
+    block = CFG.method_params(exp_name, method).get("select_block", method_class(base).defaults.get("select_block"))
+    if block is None:
+        raise ValueError(f"experiment {exp_name}: method {method} needs method_params.select_block")
+    return f"{RESULTS}/features/{exp['backbone']}/{exp['dataset']}/select_block{block}.npz"
+
+
 def train_inputs(wildcards):
     exp = CFG.experiments[wildcards.experiment]
-    return {
+    base = CFG.base_method(wildcards.method)
+    out = {
         "dataset": dataset_file(exp["dataset"]),
         "partition": partition_file(wildcards.experiment, wildcards.seed),
         "backbone": backbone_file(exp["backbone"]),
-        "code": ENGINE_SOURCES + [str(FEDCORE / "methods" / method_source(wildcards.method).name)],
+        "code": ENGINE_SOURCES + [str(FEDCORE / "methods" / method_source(base).name)],
     }
+    queries = select_queries_file(wildcards.experiment, wildcards.method)
+    if queries:
+        out["select_queries"] = queries
+    return out
 
 
 def identity(wildcards):

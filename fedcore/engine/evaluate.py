@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -62,8 +63,8 @@ def _global_acc(method, sets: EvalSets, pred_pooled: torch.Tensor, pipeline: Inp
 
 
 def evaluate_round(method, sets: EvalSets, pipeline: InputPipeline, batch_size: int,
-                   global_state: dict, personal_states: dict[int, dict] | None) -> list[tuple[int, str, str, float]]:
-    """Rows (client, split, metric, value) for one evaluated round."""
+                   global_state: dict, client_state: Callable[[int], dict] | None) -> list[tuple[int, str, str, float]]:
+    """Rows (client, split, metric, value) for one evaluated round (``client_state(c)``: personalised models)."""
     rows: list[tuple[int, str, str, float]] = []
     num_clients = len(sets.client_indices)
     local_acc: list[float] = []
@@ -78,7 +79,8 @@ def evaluate_round(method, sets: EvalSets, pipeline: InputPipeline, batch_size: 
         # each client's own model: local accuracy on its test set, global accuracy on the global test set
         global_accs = []
         for c in range(num_clients):
-            method.set_state(personal_states[c])
+            method.set_state(global_state)
+            method.set_state(client_state(c))
             pred = predict(method, sets.source, sets.pooled, pipeline, batch_size)
             k, n = _client_correct(pred, sets, c)
             local_acc.append(k / max(n, 1))

@@ -17,7 +17,7 @@ from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
 from fedcore.engine.evaluate import EvalSets, evaluate_round
 from fedcore.engine.sampling import sample_clients, stream_seed
 from fedcore.io import atomic_path
-from fedcore.methods.base import ClientData, Method, TrainSettings
+from fedcore.methods.base import ClientData, Method, RoundContext, TrainSettings
 from fedcore.report.aggregate import METRIC_COLUMNS, METRIC_DTYPES
 
 log = logging.getLogger(__name__)
@@ -121,9 +121,13 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
     if state is None:
         state = {"round": 0, "global": method.get_state(shared), "personal": {},
                  "server": method.init_server_state(), "rows": []}
+        method.server_state = state["server"]
+        method.setup([_client_data(c, 0, spec.seed, client_train[c], train, pipeline, settings)
+                      for c in range(num_clients)], state["server"])
     else:
         state = _to_device(state, device)
         log.info("resuming from round %d of %d", state["round"], rounds)
+    method.server_state = state["server"]
 
     bar = tqdm(range(state["round"] + 1, rounds + 1), disable=not progress, desc=spec.identity["method"],
                initial=state["round"], total=rounds)
@@ -150,10 +154,17 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
         if uploads:
             state["global"] = method.aggregate(state["global"], uploads, weights, state["server"])
         state["rows"].append((r, -1, "train", "loss", float(sum(losses) / len(losses))))
+        method.set_state(state["global"])
+        ctx = RoundContext(r, spec.evaluated(r), train, client_train, eval_sets, pipeline, eval_bs)
+        state["rows"].extend((r, *row) for row in method.round_rows(ctx))
         if spec.evaluated(r):
-            personal_states = {c: state["personal"].get(c, init_personal) for c in range(num_clients)}
+            def client_state(c: int, r: int = r) -> dict[str, torch.Tensor]:
+                data = _client_data(c, r, spec.seed, client_train[c], train, pipeline, settings, stream=2)
+                torch.manual_seed(stream_seed(spec.seed, r, c, 3))  # any randomness of an eval-time adaptation
+                return method.eval_state(c, state["global"], state["personal"].get(c, init_personal),
+                                         state["server"], data)
             for client, split, metric, value in evaluate_round(method, eval_sets, pipeline, eval_bs,
-                                                               state["global"], personal_states):
+                                                               state["global"], client_state):
                 state["rows"].append((r, client, split, metric, value))
                 if client == -1 and split == "global":
                     bar.set_postfix(global_acc=f"{value:.3f}")
@@ -167,16 +178,16 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
 
 
 def _client_data(c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSplit, pipeline: InputPipeline,
-                 settings: TrainSettings) -> ClientData:
-    """Client c's data in round r, its batch order drawn from a generator keyed by (seed, r, c)."""
-    gen = torch.Generator(device="cpu").manual_seed(stream_seed(seed, r, c, 0))
+                 settings: TrainSettings, stream: int = 0) -> ClientData:
+    """Client c's data in round r, its batch order drawn from a generator keyed by (seed, r, c, stream)."""
+    gen = torch.Generator(device="cpu").manual_seed(stream_seed(seed, r, c, stream))
     return ClientData(c, len(idx), lambda: iterate_batches(train, idx, settings.batch_size, pipeline, gen), gen)
 
 
 def _start_state(method: Method, state: dict, c: int, init_personal: dict) -> dict[str, torch.Tensor]:
-    """Client c's trainable tensors at the start of its update: the global ones plus its personal ones."""
+    """Client c's trainable tensors at the start of its update (default: the global ones plus its personal ones)."""
     method.set_state(state["global"])
-    method.set_state(state["personal"].get(c, init_personal))
+    method.set_state(method.start_state(c, state["global"], state["personal"].get(c, init_personal), state["server"]))
     return method.get_state(method.trainable_names())
 
 

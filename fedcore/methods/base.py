@@ -6,21 +6,32 @@ checkpoints; a method overrides only the steps where it differs:
 * ``build``            - the trainable model around the frozen backbone;
 * ``shared_names`` / ``personal_names`` - which trainable tensors go to the server and which stay
   with the client across rounds;
+* ``init_server_state`` / ``setup`` - server-side state (momentum, counters, a generator) and any
+  once-per-run exchange before round 1 (FedMix's mean data);
+* ``start_state``      - the tensors a client starts its update from (default: global + its personal);
 * ``local_update``     - the client's training in one round (losses, phases);
 * ``upload``           - what the client sends (default: its shared tensors);
 * ``aggregate``        - what the server does with the uploads (default: sample-weighted average);
-* ``predict``          - logits at evaluation time.
+* ``eval_state``       - a client's model at evaluation time (personalised methods; may adapt on data);
+* ``predict``          - logits at evaluation time;
+* ``round_rows``       - extra per-round metric rows a method logs for its paper's figures.
+
+During a round the engine sets ``method.server_state`` to the server's state (clients only read it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
 
 from fedcore.backbones.prompted import PromptedViT, init_prompts
 from fedcore.engine.aggregation import weighted_average
+
+if TYPE_CHECKING:
+    from fedcore.engine.data import DeviceSplit, InputPipeline
+    from fedcore.engine.evaluate import EvalSets
 
 Batches = Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]
 
@@ -33,6 +44,19 @@ class ClientData:
     num_samples: int
     batches: Batches  # a fresh, seeded pass over the client's data (one epoch) on each call
     generator: torch.Generator  # for any other randomness of this client in this round
+
+
+@dataclass
+class RoundContext:
+    """What ``Method.round_rows`` may read: the round, the data and whether the round is evaluated."""
+
+    round: int
+    evaluated: bool
+    train: "DeviceSplit"
+    client_train: list[torch.Tensor]   # each client's train indices into ``train``
+    eval_sets: "EvalSets"
+    pipeline: "InputPipeline"
+    batch_size: int                    # evaluation batch size
 
 
 @dataclass
@@ -85,9 +109,10 @@ class PromptClassifier(nn.Module):
         return logits + params["head.bias"][owner]
 
 
-def autocast_for(x: torch.Tensor) -> torch.autocast:
+def autocast_for(x: torch.Tensor | tuple) -> torch.autocast:
     """bf16 autocast on CUDA (the frozen ViT dominates the cost), a no-op on CPU (keeps CPU runs bit-exact)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda)
+    t = x if isinstance(x, torch.Tensor) else x[0]  # a QueryBatch: (images, queries)
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=t.is_cuda)
 
 
 def make_optimizer(params: list[nn.Parameter], cfg: dict) -> torch.optim.Optimizer:
@@ -115,6 +140,9 @@ class Method:
     #: the engine may train a round's clients together (fedcore/engine/batched.py): only for methods whose
     #: local update is plain cross-entropy SGD on PromptClassifier tensors, with no other randomness
     batched_clients: ClassVar[bool] = False
+    #: batches carry the dataset's cached frozen Select queries (rule select_features) as
+    #: ``QueryBatch(images, queries)``; the method's ``params['select_block']`` names the block
+    uses_select_queries: ClassVar[bool] = False
     #: default method parameters; the experiment's ``method_params[name]`` overrides them
     defaults: ClassVar[dict[str, Any]] = {}
 
@@ -126,6 +154,7 @@ class Method:
         self.params = {**self.defaults, **(params or {})}
         self.backbone = backbone
         self.num_classes = num_classes
+        self.server_state: dict[str, Any] = {}  # set by the engine each round; read-only for clients
         self.model = self.build()
 
     # ---- what exists and who owns it ---------------------------------------------------------
@@ -166,6 +195,23 @@ class Method:
     def init_server_state(self) -> dict[str, Any]:
         """Server-side state beyond the global tensors (momentum buffers, counters)."""
         return {}
+
+    def setup(self, clients: list[ClientData], server_state: dict[str, Any]) -> None:
+        """Once per run, before round 1, with every client's data (default: nothing to exchange)."""
+
+    def start_state(self, cid: int, global_state: dict[str, torch.Tensor], personal_state: dict[str, torch.Tensor],
+                    server_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The tensors client ``cid`` starts its local update from (default: global, then its personal ones)."""
+        return {**global_state, **personal_state}
+
+    def eval_state(self, cid: int, global_state: dict[str, torch.Tensor], personal_state: dict[str, torch.Tensor],
+                   server_state: dict[str, Any], data: ClientData) -> dict[str, torch.Tensor]:
+        """Client ``cid``'s model at evaluation (personalised methods only; ``data`` is its train data)."""
+        return self.start_state(cid, global_state, personal_state, server_state)
+
+    def round_rows(self, ctx: RoundContext) -> list[tuple[int, str, str, float]]:
+        """Extra (client, split, metric, value) rows for this round, global state loaded (default: none)."""
+        return []
 
     # ---- the round's steps -------------------------------------------------------------------
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -11,4 +11,4 @@ _log.setup(snakemake)
 p = snakemake.params
 train_run(p.cfg, p.identity, snakemake.input.dataset, snakemake.input.partition, p.arch, snakemake.input.backbone,
           snakemake.output.metrics, snakemake.output.final, checkpoint_path=p.checkpoint, device=p.device,
-          threads=p.threads)
+          threads=p.threads, select_queries=snakemake.input.get("select_queries"))

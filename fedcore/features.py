@@ -1,0 +1,91 @@
+"""Frozen-backbone CLS features, computed once per dataset and block and cached as pipeline artifacts.
+
+SGPT's ``Select`` query h_θ(x) is the final-norm CLS token of the frozen, un-prompted ViT after block
+``b`` (the last block for label shift, block 5 of 12 for feature shift; spec sgpt §1.4). Nothing trained
+changes it, so the rule ``select_features`` computes it once per (backbone, dataset, block) for the train
+and test splits; SGPT runs, the Table 4 clustering, the K-Means reference (Fig. 6a) and Fig. 3 read the
+same file. ``layer_features`` serves the t-SNE figure (Fig. 5), which needs several blocks at once.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedcore.backbones.prompted import PromptedViT, attention_backend
+from fedcore.backbones.vit import backbone_info, build_vit
+from fedcore.data.arrays import load_bundle
+from fedcore.engine.data import DeviceSplit, InputPipeline
+from fedcore.io import atomic_path
+
+FORMAT = "fedcore-select-queries-v1"
+
+
+@torch.no_grad()
+def layer_features(backbone: PromptedViT, split: DeviceSplit, pipeline: InputPipeline, blocks: list[int],
+                   batch_size: int = 256, indices: torch.Tensor | None = None) -> dict[int, np.ndarray]:
+    """Final-norm CLS token after each of ``blocks`` (0-indexed), float32 (N, D) per block, no prompts."""
+    idx = torch.arange(len(split.y), device=split.y.device) if indices is None else indices
+    out: dict[int, list[torch.Tensor]] = {b: [] for b in blocks}
+    last = max(blocks)
+    for chunk in idx.split(batch_size):
+        x = pipeline(split.x[chunk])
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda):
+            # one pass to the deepest block; the final norm is applied to each requested block's tokens
+            v = backbone.vit
+            h = v.norm_pre(v.patch_drop(v._pos_embed(v.patch_embed(x))))
+            for i in range(last + 1):
+                h = v.blocks[i](h)
+                if i in out:
+                    out[i].append(v.norm(h)[:, 0].float().cpu())
+    return {b: torch.cat(v).numpy() if v else np.zeros((0, backbone.embed_dim), np.float32) for b, v in out.items()}
+
+
+def compute_select_queries(dataset_path: str | Path, arch: str, weights: str | Path | None, block: int,
+                           out_path: str | Path, device: str = "auto", threads: int | None = None) -> None:
+    """Write the frozen Select queries (raw final-norm CLS after ``block``) of both splits to ``out_path``."""
+    from fedcore.train import pick_device  # local import: train imports this module
+
+    if threads:
+        torch.set_num_threads(threads)
+    dev = pick_device(device)
+    vit = build_vit(arch, weights)
+    depth = len(vit.blocks)
+    if not 0 <= block < depth:
+        raise ValueError(f"select_block={block} is outside {arch}'s blocks 0..{depth - 1}")
+    info = backbone_info(vit)
+    backbone = PromptedViT(vit).to(dev)
+    pipeline = InputPipeline(info["img_size"], info["mean"], info["std"])
+    bundle = load_bundle(dataset_path)
+    feats = {}
+    with attention_backend(dev):
+        for name, ds in (("train", bundle.train), ("test", bundle.test)):
+            feats[name] = layer_features(backbone, DeviceSplit.from_arrays(ds, dev), pipeline, [block])[block]
+    meta = {"format": FORMAT, "arch": arch, "block": block, "dataset": str(dataset_path)}
+    with atomic_path(out_path, suffix=".npz") as tmp:
+        with open(tmp, "wb") as f:
+            np.savez(f, train=feats["train"], test=feats["test"], meta=json.dumps(meta))
+
+
+def read_select_queries(path: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(train, test, meta) of a select-queries file, with a clear error for a wrong or missing file."""
+    if path is None or not Path(path).exists():
+        raise FileNotFoundError(f"select-queries file {path} does not exist (built by the select_features rule)")
+    with np.load(path) as z:
+        meta = json.loads(str(z["meta"]))
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a {FORMAT} file (format {meta.get('format')!r})")
+        return z["train"], z["test"], meta
+
+
+def load_select_queries(path: str | Path | None, n_train: int, n_test: int, block: int | None,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and test queries on ``device``, checked against the dataset's sizes and the method's block."""
+    train, test, meta = read_select_queries(path)
+    if (len(train), len(test)) != (n_train, n_test):
+        raise ValueError(f"{path}: {len(train)}/{len(test)} train/test queries, the dataset has {n_train}/{n_test}")
+    if block is not None and int(meta["block"]) != int(block):
+        raise ValueError(f"{path} holds block {meta['block']} queries, the method's select_block is {block}")
+    return torch.from_numpy(train).to(device), torch.from_numpy(test).to(device)
