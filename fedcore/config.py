@@ -223,13 +223,17 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
                 if unknown:
                     raise ConfigError(f"config error in {where}: method {m!r} has unknown param(s) {unknown}; "
                                       f"{resolved.base_method(m)} accepts {sorted(allowed)}")
-        for name, table in doc.get("tables", {}).items():
-            _check_table(name, table, resolved.experiments, exp_file)
-            resolved.tables[name] = table
-        for name, fig in doc.get("figures", {}).items():
-            for i, e in enumerate(fig["experiments"]):
-                _check_name(e, resolved.experiments, f"{exp_file} (figure {name})", f"experiments[{i}]")
-            resolved.figures[name] = fig
+        report_file = root / CONFIG_DIR / "reports" / f"{paper}.yaml"
+        if report_file.exists():
+            report = read_yaml(report_file)
+            validate(report, schema, "report_file", str(report_file))
+            for name, table in report.get("tables", {}).items():
+                _check_table(name, table, resolved.experiments, report_file)
+                resolved.tables[name] = table
+            for name, fig in report.get("figures", {}).items():
+                for i, e in enumerate(fig["experiments"]):
+                    _check_name(e, resolved.experiments, f"{report_file} (figure {name})", f"experiments[{i}]")
+                resolved.figures[name] = fig
     for name in scale.get("experiments", {}):
         _check_name(name, resolved.experiments, str(scale_file), "experiments")
     return resolved

@@ -104,7 +104,11 @@ def test_bad_partition_key_is_reported(tmp_path):
 
 
 def test_table_paper_row_length_is_checked(tmp_path):
-    root = _edit_experiments(tmp_path, lambda d: d["tables"]["sgpt_table1"]["paper"]["sgpt"].pop())
+    root = _copy_config(tmp_path)
+    path = root / "config" / "reports" / "sgpt.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["tables"]["sgpt_table1"]["paper"]["sgpt"].pop()
+    path.write_text(yaml.safe_dump(doc))
     with pytest.raises(ConfigError, match=r"paper.sgpt: 8 values for 9 columns"):
         load_config(DEFAULT, root)
 
