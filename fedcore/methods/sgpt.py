@@ -1,0 +1,281 @@
+"""SGPT: shared and group prompt tuning (Deng, Thrampoulidis, Li; CVPR 2024). Spec: spec/sgpt.md §1.
+
+Model (§1.3). A frozen ViT; shared prompts P_S inserted right after CLS at the blocks in
+``shared_blocks`` and kept (they accumulate; zero init); one group prompt per group at each block in
+``group_blocks``, chosen per sample by ``Select`` (VPT uniform init); keys K (G, D), orthogonal init;
+a linear head on the CLS token (Block I) or on mean(CLS, group-prompt tokens) when groups are active.
+
+Select (§1.4). The query is the frozen, un-prompted ViT's final-norm CLS after ``select_block``, cached
+per dataset by the ``select_features`` rule; q = L2(ReLU(h)) [code]. Inference: argmax cos(q, k_g).
+Training: argmin (1 - cos) * (q_g + 5e-4), q_g the global accumulated selection frequency (Eq. 6;
+plain argmin while no counts exist); with ``batch_vote`` (feature shift, [code]) the whole batch takes
+its most frequent group. The key loss -mean cos(q, k_g) reaches only the keys.
+
+Local update (§1.5, Alg. 1 + code). ``schedule: bcd``: Block I trains {P_S, head} with CE for E epochs
+(groups off), then Block II trains {P_G, K, head} with CE + key loss for E epochs, P_S inserted but
+frozen; a fresh SGD optimiser per block, so a round is 2E passes as in the code. Each Block II forward
+adds its selections to the client's counts N_g^i (each sample once per epoch).
+
+Server (§1.6, Alg. 2). Head, P_S and P_G: average with N_i weights over the participating clients. Keys:
+row g averaged with weights N_g^i / sum_i N_g^i, uniform 1/m when that sum is <= 50 [code]. Momentum
+(Eq. 7): k = a_k k_prev + (1 - a_k) k, P_G = a_g P_G,prev + (1 - a_g) P_G. The counter v_g adds the round's
+counts once per round (Alg. 2; the code adds after every client, a negligible difference).
+
+Variants (Table 3, Table 4, Figs. 3, 4, 6) are parameter settings: ``schedule`` joint | bcd_inv, empty
+``shared_blocks`` or ``group_blocks``, ``calibration: false``, ``key_aggregation: samples`` and the two
+momentum ratios. ``trace_client``'s per-group selection counts under the current global Select are
+logged every round (Fig. 3) and Select's clustering accuracy against coarse labels at evaluated rounds
+(Table 4). Choices where paper and code are silent are listed in DEVIATIONS.md.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from fedcore.analysis.clustering import hungarian_accuracy
+from fedcore.backbones.prompted import PromptedViT, init_prompts
+from fedcore.engine.aggregation import weighted_average
+from fedcore.engine.data import QueryBatch
+from fedcore.methods.base import ClientData, Method, RoundContext, TrainSettings, autocast_for
+
+SCHEDULES = ("bcd", "bcd_inv", "joint")
+
+
+def orthogonal_keys(groups: int, dim: int) -> Tensor:
+    """Xavier-uniform keys made orthogonal by Gram-Schmidt: key 0 as drawn, later keys unit-norm [code]."""
+    if groups > dim:
+        raise ValueError(f"sgpt: {groups} orthogonal keys need groups <= embed dim {dim}")
+    raw = nn.init.xavier_uniform_(torch.empty(groups, dim))
+    out: list[Tensor] = [raw[0]]
+    for i in range(1, groups):
+        v = raw[i].clone()
+        for u in out:
+            v = v - (v @ u) / (u @ u) * u
+        out.append(v / v.norm())
+    return torch.stack(out)
+
+
+def select_scores(queries: Tensor, keys: Tensor) -> Tensor:
+    """cos(L2(ReLU(q)), L2(k)) for every (sample, group): (B, G), in float32."""
+    q = F.normalize(F.relu(queries.float()), dim=-1)
+    return q @ F.normalize(keys.float(), dim=-1).T
+
+
+def select_groups(queries: Tensor, keys: Tensor) -> Tensor:
+    """Inference-time Select (Eq. 5): the group of maximal cosine similarity for each query."""
+    return select_scores(queries, keys).argmax(dim=1)
+
+
+class SGPTModel(nn.Module):
+    """Shared prompts, group prompts, keys and head around a frozen PromptedViT."""
+
+    def __init__(self, backbone: PromptedViT, num_classes: int, groups: int, shared_blocks: list[int],
+                 group_blocks: list[int], first_shared_tokens: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        dim = backbone.embed_dim
+        for name, blocks in (("shared_blocks", shared_blocks), ("group_blocks", group_blocks)):
+            bad = [b for b in blocks if not 0 <= b < backbone.depth]
+            if bad or len(set(blocks)) != len(blocks):
+                raise ValueError(f"sgpt {name}={blocks}: blocks must be distinct and in 0..{backbone.depth - 1}")
+        self.shared_blocks, self.group_blocks = list(shared_blocks), list(group_blocks)
+        self.shared = nn.ParameterList([nn.Parameter(torch.zeros(first_shared_tokens if i == 0 else 1, dim))
+                                        for i in range(len(shared_blocks))])
+        self.group = nn.ParameterList([init_prompts(groups, dim, backbone.patch_size) for _ in group_blocks])
+        self.keys = nn.Parameter(orthogonal_keys(groups, dim))
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x: Tensor, groups: Tensor | None = None) -> Tensor:
+        """Logits; ``groups`` (B,) switches the group prompts on (None: Block I path, CLS feature)."""
+        prompts: dict[int, Tensor] = {b: p for b, p in zip(self.shared_blocks, self.shared)}
+        if groups is not None:
+            for b, table in zip(self.group_blocks, self.group):
+                g = table[groups].unsqueeze(1)  # (B, 1, D): one token per sample
+                s = prompts.get(b)
+                # a block holding both: the group token goes first, as the code inserts it last
+                prompts[b] = g if s is None else torch.cat([g, s.unsqueeze(0).expand(len(g), -1, -1)], 1)
+        tokens = self.backbone.forward_tokens(x, prompts, mode="insert")
+        if groups is not None and self.group_blocks:
+            feat = tokens[:, : len(self.group_blocks) + 1].mean(dim=1)  # mean(CLS, group tokens) [code]
+        else:
+            feat = tokens[:, 0]
+        return self.head(feat)
+
+
+class SGPT(Method):
+    """Shared + group prompts with Select, block coordinate descent and momentum aggregation."""
+
+    name = "sgpt"
+    uses_select_queries = True
+    defaults = {
+        "groups": 20,                    # G
+        "shared_blocks": [0, 1, 2, 3],   # U_S, 0-indexed (CIFAR-100 s=10, spec §1.3)
+        "group_blocks": [4, 5, 6],       # U_G
+        "select_block": 11,              # the block whose final-norm CLS is the Select query
+        "first_shared_tokens": 1,        # n_prompt at the first shared block (prompt length 1)
+        "key_momentum": 0.5,             # alpha_k
+        "group_momentum": 0.5,           # alpha_g
+        "calibration": True,             # q_g frequency calibration of training-time selection
+        "calibration_eps": 5.0e-4,       # [code]
+        "key_aggregation": "counts",     # counts (Alg. 2) | samples (plain FedAvg weights, Table 4)
+        "key_fallback_count": 50,        # uniform key weights when a group's round count is <= this [code]
+        "key_loss_weight": 1.0,          # [code]
+        "batch_vote": False,             # feature shift: the batch's most frequent group for all [code]
+        "schedule": "bcd",               # bcd | bcd_inv | joint (Table 3)
+        "trace_client": 0,               # whose selection counts are logged every round (Fig. 3)
+    }
+
+    def __init__(self, backbone: PromptedViT, num_classes: int, params: dict | None = None) -> None:
+        super().__init__(backbone, num_classes, params)
+        p = self.params
+        if p["schedule"] not in SCHEDULES:
+            raise ValueError(f"method_params.sgpt.schedule must be one of {SCHEDULES}, got {p['schedule']!r}")
+        if p["key_aggregation"] not in ("counts", "samples"):
+            raise ValueError(f"method_params.sgpt.key_aggregation must be counts|samples, got {p['key_aggregation']!r}")
+        for k in ("key_momentum", "group_momentum"):
+            if not 0.0 <= float(p[k]) <= 1.0:
+                raise ValueError(f"method_params.sgpt.{k} must lie in [0, 1], got {p[k]}")
+        if not p["shared_blocks"] and not p["group_blocks"]:
+            raise ValueError("method_params.sgpt: shared_blocks and group_blocks cannot both be empty")
+        self._counts: Tensor | None = None
+        self._freq: Tensor | None = None  # q_g for this round's training-time calibration (None: plain argmin)
+
+    def build(self) -> nn.Module:
+        """SGPTModel with the configured block sets."""
+        p = self.params
+        return SGPTModel(self.backbone, self.num_classes, int(p["groups"]), list(p["shared_blocks"]),
+                         list(p["group_blocks"]), int(p["first_shared_tokens"]))
+
+    @property
+    def uses_groups(self) -> bool:
+        """Whether group prompts (and so Select and keys) are part of the model."""
+        return bool(self.params["group_blocks"])
+
+    def init_server_state(self) -> dict:
+        """The global accumulated selection counter v_g (Alg. 2 line 14)."""
+        return {"v": torch.zeros(int(self.params["groups"]), dtype=torch.float64)}
+
+    # ---- Select ---------------------------------------------------------------------------------
+    def assign(self, queries: Tensor, train: bool) -> tuple[Tensor, Tensor]:
+        """(groups (B,), key loss) for a batch of raw queries; calibrated and voted only in training."""
+        with torch.autocast(queries.device.type, enabled=False):
+            cos = select_scores(queries, self.model.keys)
+            dist = 1.0 - cos.detach()
+            if train and self._freq is not None:
+                dist = dist * (self._freq.to(dist) + float(self.params["calibration_eps"]))
+            groups = dist.argmin(dim=1)
+            if train and self.params["batch_vote"]:
+                groups = torch.full_like(groups, int(torch.bincount(groups, minlength=cos.shape[1]).argmax()))
+            key_loss = -cos.gather(1, groups[:, None]).mean()  # gradient reaches the keys only
+        return groups, key_loss
+
+    # ---- local update ---------------------------------------------------------------------------
+    def _phases(self) -> list[tuple[list[str], bool, bool]]:
+        """(trainable prefixes, groups on, key loss) per phase of the configured schedule."""
+        has_s, has_g = bool(self.params["shared_blocks"]), self.uses_groups
+        block1 = (["shared.", "head."], False, False)
+        block2 = (["group.", "keys", "head."], True, True)
+        if self.params["schedule"] == "joint":
+            return [(["shared.", "group.", "keys", "head."], has_g, has_g)]
+        if self.params["schedule"] == "bcd_inv":  # groups first; then shared with the groups inserted, frozen
+            return ([block2] if has_g else []) + ([(["shared.", "head."], has_g, False)] if has_s else [])
+        return ([block1] if has_s else []) + ([block2] if has_g else [])
+
+    def local_update(self, data: ClientData, settings: TrainSettings) -> dict[str, float]:
+        """The schedule's phases, each E epochs with a fresh optimiser over only its tensors."""
+        counts = torch.zeros(int(self.params["groups"]), dtype=torch.float64, device=self.model.keys.device)
+        v = self.server_state.get("v")
+        self._freq = (v / v.sum()) if self.params["calibration"] and v is not None and float(v.sum()) > 0 else None
+        named = dict(self.model.named_parameters())
+        trainable = {n: p for n, p in named.items() if p.requires_grad}
+        stats: dict[str, float] = {}
+        try:
+            for prefixes, groups_on, key_loss_on in self._phases():
+                params = [p for n, p in trainable.items() if any(n.startswith(x) for x in prefixes)]
+                for n, p in trainable.items():  # frozen tensors get no gradient: the backward stops earlier
+                    p.requires_grad_(any(n.startswith(x) for x in prefixes))
+
+                def loss_fn(batch: QueryBatch, y: Tensor, groups_on=groups_on, key_loss_on=key_loss_on) -> Tensor:
+                    if not groups_on:
+                        return F.cross_entropy(self.model(batch.x, None).float(), y)
+                    groups, key_loss = self.assign(batch.query, train=True)
+                    if key_loss_on:  # N_g^i counts the selections of the phases that train the keys
+                        counts.add_(torch.bincount(groups, minlength=len(counts)))
+                    loss = F.cross_entropy(self.model(batch.x, groups).float(), y)
+                    return loss + float(self.params["key_loss_weight"]) * key_loss if key_loss_on else loss
+
+                stats = self.run_epochs(params, data, settings, settings.local_epochs, loss_fn)
+        finally:
+            for p in trainable.values():
+                p.requires_grad_(True)
+        self._counts = counts
+        return stats
+
+    def upload(self, data: ClientData, stats: dict[str, float]) -> dict:
+        """Shared tensors plus this round's per-group selection counts N_g^i."""
+        counts = self._counts if self._counts is not None else torch.zeros(int(self.params["groups"]))
+        return {**self.get_state(self.shared_names()), "select_counts": counts.clone()}
+
+    # ---- server ---------------------------------------------------------------------------------
+    def aggregate(self, global_state: dict[str, Tensor], uploads: list[dict], weights: list[float],
+                  server_state: dict) -> dict[str, Tensor]:
+        """N_i-weighted head/prompts, count-weighted keys, momentum on keys and group prompts, counter v."""
+        p = self.params
+        names = [n for n in global_state if n != "keys"]
+        new = weighted_average(uploads, weights, names=names)
+        counts = torch.stack([u["select_counts"].to(torch.float64) for u in uploads])  # (m, G)
+        total = counts.sum(dim=0)
+        new["keys"] = aggregate_keys([u["keys"] for u in uploads], counts, weights, p["key_aggregation"],
+                                     float(p["key_fallback_count"]))
+        a_k, a_g = float(p["key_momentum"]), float(p["group_momentum"])
+        new["keys"] = a_k * global_state["keys"] + (1.0 - a_k) * new["keys"]
+        for n in names:
+            if n.startswith("group."):
+                new[n] = a_g * global_state[n] + (1.0 - a_g) * new[n]
+        server_state["v"] = server_state["v"].to(total) + total
+        return new
+
+    # ---- inference and logging ------------------------------------------------------------------
+    @torch.no_grad()
+    def predict(self, batch: QueryBatch) -> Tensor:
+        """Logits with plain argmax selection (Alg. 3), no calibration, no local fine-tuning."""
+        groups = self.assign(batch.query, train=False)[0] if self.uses_groups else None
+        with autocast_for(batch.x):
+            return self.model(batch.x, groups).float()
+
+    @torch.no_grad()
+    def round_rows(self, ctx: RoundContext) -> list[tuple[int, str, str, float]]:
+        """Trace client's per-group selection counts (Fig. 3); Select's clustering accuracy (Table 4)."""
+        if not self.uses_groups:
+            return []
+        rows: list[tuple[int, str, str, float]] = []
+        c = int(self.params["trace_client"])
+        if 0 <= c < len(ctx.client_train) and ctx.train.queries is not None:
+            groups = select_groups(ctx.train.queries[ctx.client_train[c]], self.model.keys)
+            counts = torch.bincount(groups, minlength=int(self.params["groups"])).tolist()
+            rows += [(c, "train", f"select_g{g:02d}", float(n)) for g, n in enumerate(counts)]
+        src = ctx.eval_sets.source
+        if ctx.evaluated and src.coarse is not None and src.queries is not None:
+            idx = ctx.eval_sets.pooled
+            pred = select_groups(src.queries[idx], self.model.keys).cpu().numpy()
+            acc = hungarian_accuracy(pred, src.coarse[idx].cpu().numpy())
+            rows.append((-1, "global", "select_cluster_acc", acc))
+        return rows
+
+
+def aggregate_keys(keys: list[Tensor], counts: Tensor, weights: list[float], rule: str,
+                   fallback: float) -> Tensor:
+    """Row-wise key average: N_g^i / sum_i N_g^i (uniform 1/m if the sum <= fallback), or N_i weights."""
+    stacked = torch.stack([k.to(torch.float64) for k in keys])  # (m, G, D)
+    m = len(keys)
+    if rule == "samples":
+        w = torch.tensor(weights, dtype=torch.float64)
+        w = (w / w.sum())[:, None].expand(m, counts.shape[1])
+    else:
+        total = counts.sum(dim=0)
+        w = torch.where(total > fallback, counts / total.clamp(min=1.0), torch.full_like(counts, 1.0 / m))
+    return (w.to(stacked.device)[:, :, None] * stacked).sum(dim=0).to(keys[0].dtype)
+
+
+__all__ = ["SGPT", "SGPTModel", "aggregate_keys", "orthogonal_keys", "select_groups", "select_scores"]

@@ -1,0 +1,197 @@
+"""SGPT: Select and its calibration, the key loss, block coordinate descent, server aggregation, sizes."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import timm
+import torch
+
+from fedcore.backbones.prompted import PromptedViT
+from fedcore.backbones.vit import build_vit
+from fedcore.data.arrays import save_bundle
+from fedcore.features import compute_select_queries
+from fedcore.methods.base import ClientData, TrainSettings
+from fedcore.methods.sgpt import SGPT, aggregate_keys, orthogonal_keys, select_groups
+from fedcore.partition import make_partition
+from fedcore.train import train_run
+from tests.conftest import identity, run_params, synthetic_bundle
+
+PARAMS = {"groups": 3, "shared_blocks": [0], "group_blocks": [1, 2], "select_block": 3}
+
+
+def _method(**over) -> SGPT:
+    torch.manual_seed(0)
+    return SGPT(PromptedViT(build_vit("vit_mini")), 4, {**PARAMS, **over})
+
+
+def _client(method: SGPT, n: int = 24, batch: int = 8) -> ClientData:
+    """A client whose batches carry random images and queries (QueryBatch) with fixed labels."""
+    from fedcore.engine.data import QueryBatch
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 3, 16, 16, generator=gen)
+    q = torch.randn(n, method.backbone.embed_dim, generator=gen)
+    y = torch.arange(n) % 4
+
+    def batches():
+        for s in range(0, n, batch):
+            yield QueryBatch(x[s:s + batch], q[s:s + batch]), y[s:s + batch]
+    return ClientData(0, n, batches, gen)
+
+
+SETTINGS = TrainSettings(local_epochs=1, batch_size=8, optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9})
+
+
+def test_orthogonal_keys_are_orthogonal():
+    torch.manual_seed(0)
+    k = orthogonal_keys(5, 16)
+    gram = k @ k.T
+    assert torch.allclose(gram[1:, 1:], torch.eye(4), atol=1e-5)       # keys 1.. are orthonormal
+    assert torch.allclose(gram[0, 1:], torch.zeros(4), atol=1e-5)       # and orthogonal to key 0
+
+
+def test_calibration_prefers_rarely_used_groups():
+    m = _method()
+    with torch.no_grad():
+        m.model.keys.zero_()
+        m.model.keys[0, 0] = 1.0
+        m.model.keys[1, 1] = 1.0
+        m.model.keys[2, 2] = 1.0
+    q = torch.zeros(1, m.backbone.embed_dim)
+    q[0, 0], q[0, 1] = 1.0, 0.9                # closer to key 0 than to key 1
+    assert int(m.assign(q, train=False)[0]) == 0
+    m._freq = None                              # round 1: no counts yet -> plain argmin
+    assert int(m.assign(q, train=True)[0]) == 0
+    m._freq = torch.tensor([0.9, 0.05, 0.05], dtype=torch.float64)   # group 0 used 18x more often
+    assert int(m.assign(q, train=True)[0]) == 1
+    assert int(m.assign(q, train=False)[0]) == 0  # inference never calibrates
+
+
+def test_batch_vote_gives_the_whole_batch_its_mode_group():
+    m = _method(batch_vote=True)
+    q = torch.randn(9, m.backbone.embed_dim)
+    plain = select_groups(q, m.model.keys)
+    voted, _ = m.assign(q, train=True)
+    assert (voted == torch.bincount(plain, minlength=3).argmax()).all()
+
+
+def test_key_loss_reaches_only_the_keys():
+    m = _method()
+    q = torch.randn(6, m.backbone.embed_dim)
+    _, key_loss = m.assign(q, train=True)
+    key_loss.backward()
+    grads = {n for n, p in m.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads == {"keys"}
+
+
+def _changed_per_phase(m: SGPT) -> list[set[str]]:
+    """Which tensors each phase of one local update changed."""
+    changed, original = [], m.run_epochs
+
+    def spy(params, data, settings, epochs, loss_fn):
+        before = {n: p.detach().clone() for n, p in m.model.named_parameters()}
+        out = original(params, data, settings, epochs, loss_fn)
+        changed.append({n for n, p in m.model.named_parameters() if not torch.equal(p.detach(), before[n])})
+        return out
+    m.run_epochs = spy
+    m.local_update(_client(m), SETTINGS)
+    return changed
+
+
+def test_block_coordinate_descent_separates_the_blocks():
+    m = _method()
+    block1, block2 = _changed_per_phase(m)
+    assert block1 == {"shared.0", "head.weight", "head.bias"}               # Block I: no group prompts, no keys
+    assert block2 == {"group.0", "group.1", "keys", "head.weight", "head.bias"}  # Block II: shared frozen
+    assert float(m._counts.sum()) == 24                                       # each sample counted once per epoch
+    assert set(m.trainable_names()) == {"shared.0", "group.0", "group.1", "keys", "head.weight", "head.bias"}
+
+
+def test_schedules_of_the_table3_variants():
+    assert _changed_per_phase(_method(schedule="joint"))[0] >= {"shared.0", "group.0", "keys"}
+    inv = _changed_per_phase(_method(schedule="bcd_inv"))
+    assert "shared.0" not in inv[0] and "keys" in inv[0] and inv[1] == {"shared.0", "head.weight", "head.bias"}
+    assert _changed_per_phase(_method(group_blocks=[])) == [{"shared.0", "head.weight", "head.bias"}]
+    only_group = _changed_per_phase(_method(shared_blocks=[]))
+    assert len(only_group) == 1 and "keys" in only_group[0]
+
+
+def test_key_aggregation_weights_and_uniform_fallback():
+    keys = [torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[0.0, 1.0], [1.0, 0.0]])]
+    counts = torch.tensor([[60.0, 10.0], [40.0, 10.0]], dtype=torch.float64)
+    out = aggregate_keys(keys, counts, [1.0, 3.0], "counts", fallback=50)
+    assert torch.allclose(out[0], torch.tensor([0.6, 0.4]))   # group 0: N_g^i / sum_i N_g^i
+    assert torch.allclose(out[1], torch.tensor([0.5, 0.5]))   # group 1: 20 <= 50 selections -> 1/m
+    fedavg = aggregate_keys(keys, counts, [1.0, 3.0], "samples", fallback=50)
+    assert torch.allclose(fedavg[0], torch.tensor([0.25, 0.75]))  # plain N_i weights (Table 4 "FedAvg")
+
+
+def test_server_momentum_and_counter():
+    m = _method(key_momentum=0.25, group_momentum=0.75)
+    names = m.shared_names()
+    prev = {n: torch.zeros_like(v) for n, v in m.get_state(names).items()}
+    ups = []
+    for val, cnt in ((1.0, [100.0, 0.0, 0.0]), (3.0, [100.0, 0.0, 0.0])):
+        u = {n: torch.full_like(v, val) for n, v in prev.items()}
+        u["select_counts"] = torch.tensor(cnt, dtype=torch.float64)
+        ups.append(u)
+    server = m.init_server_state()
+    new = m.aggregate(prev, ups, [1.0, 1.0], server)
+    assert torch.allclose(new["head.weight"], torch.full_like(prev["head.weight"], 2.0))  # plain average
+    assert torch.allclose(new["shared.0"], torch.full_like(prev["shared.0"], 2.0))        # no momentum
+    assert torch.allclose(new["group.0"], torch.full_like(prev["group.0"], 0.25 * 2.0))    # (1 - a_g) * avg
+    assert torch.allclose(new["keys"], torch.full_like(prev["keys"], 0.75 * 2.0))          # (1 - a_k) * avg
+    assert server["v"].tolist() == [200.0, 0.0, 0.0]
+
+
+def test_trainable_parameter_count_matches_the_spec():
+    """Spec §2: CIFAR-100 s=10 on ViT-B/16 = 141,412 (head 76,900 + shared 3,072 + group 46,080 + keys 15,360)."""
+    with torch.device("meta"):
+        vit = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=0)
+        m = SGPT(PromptedViT(vit), 100, {"groups": 20, "shared_blocks": [0, 1, 2, 3], "group_blocks": [4, 5, 6]})
+    assert sum(m.model.get_parameter(n).numel() for n in m.trainable_names()) == 141_412
+
+
+@pytest.fixture(scope="module")
+def sgpt_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sgpt")
+    bundle = synthetic_bundle()
+    bundle.train.coarse, bundle.test.coarse = bundle.train.y // 2, bundle.test.y // 2
+    save_bundle(bundle, root / "data.npz")
+    make_partition({"scheme": "classes_per_client", "clients": 4, "classes_per_client": 2}, 0,
+                   bundle.train.y, bundle.test.y).save(root / "part.npz")
+    torch.manual_seed(0)
+    torch.save(build_vit("vit_mini").state_dict(), root / "vit.pt")
+    compute_select_queries(root / "data.npz", "vit_mini", root / "vit.pt", 3, root / "q.npz", device="cpu")
+    return root
+
+
+def _run(root, name: str, tag: str, **method_params) -> pd.DataFrame:
+    params = run_params(rounds=3, participation=0.5)
+    params["method"] = "sgpt"
+    params["method_params"] = {**PARAMS, "groups": 2, **method_params}
+    train_run(params, identity(name), root / "data.npz", root / "part.npz", "vit_mini", root / "vit.pt",
+              root / f"{tag}.parquet", root / f"{tag}.pt", device="cpu", progress=False,
+              select_queries=root / "q.npz")
+    return pd.read_parquet(root / f"{tag}.parquet")
+
+
+def test_sgpt_end_to_end_logs_selection_and_clustering(sgpt_files):
+    df = _run(sgpt_files, "sgpt", "a")
+    acc = df[(df.split == "global") & (df.metric == "acc")].value
+    assert len(acc) == 3 and np.isfinite(acc).all()
+    trace = df[(df.split == "train") & df.metric.str.startswith("select_g")]
+    assert set(trace.client) == {0} and len(trace) == 3 * 2                # 2 groups, every round
+    per_round = trace.groupby("round").value.sum()
+    assert (per_round == per_round.iloc[0]).all()                          # all of client 0's train images
+    cluster = df[df.metric == "select_cluster_acc"].value
+    assert len(cluster) == 3 and ((cluster >= 0.5) & (cluster <= 1)).all()  # 2 coarse classes, 2 groups
+    final = torch.load(sgpt_files / "a.pt", weights_only=False)
+    assert float(final["server"]["v"].sum()) > 0
+    pd.testing.assert_frame_equal(df, _run(sgpt_files, "sgpt", "b"))      # deterministic
+
+
+def test_wrong_select_block_is_refused(sgpt_files):
+    with pytest.raises(ValueError, match="select_block"):
+        _run(sgpt_files, "sgpt", "c", select_block=2)
