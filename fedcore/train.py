@@ -99,7 +99,8 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     evaluation = dict(params.get("evaluation", {}))
     eval_sets = EvalSets(source, [to_idx(t) for t in part.test], test, evaluation.get("global_test", "pooled_local"))
     spec = RunSpec(identity=dict(identity), federation=params["federation"], optimizer=params["optimizer"],
-                   evaluation=evaluation, final_window=int(params.get("final_window", 1)))
+                   evaluation=evaluation, final_window=int(params.get("final_window", 1)),
+                   method_params={"method": cls.name, **method.params})
     with attention_backend(dev):
         result = run_federated(method, train, test, [to_idx(t) for t in part.train], eval_sets, pipeline, spec,
                                checkpoint_path, stop_after_round=stop_after_round, progress=progress)

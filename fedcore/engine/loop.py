@@ -34,6 +34,7 @@ class RunSpec:
     optimizer: dict[str, Any]
     evaluation: dict[str, Any] = field(default_factory=dict)  # global_test, every, batch_size
     final_window: int = 1             # the last rounds are always evaluated (the report window)
+    method_params: dict[str, Any] = field(default_factory=dict)  # the method's (or variant's) params
 
     @property
     def seed(self) -> int:
@@ -42,8 +43,8 @@ class RunSpec:
 
     def fingerprint(self) -> str:
         """Hash of the settings that determine the run's numbers (a checkpoint must match it to resume)."""
-        blob = json.dumps([self.identity, self.federation, self.optimizer, self.evaluation, self.final_window],
-                          sort_keys=True, default=str)
+        blob = json.dumps([self.identity, self.federation, self.optimizer, self.evaluation, self.final_window,
+                           self.method_params], sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()
 
     def evaluated(self, round_idx: int) -> bool:

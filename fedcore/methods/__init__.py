@@ -13,6 +13,13 @@ METHODS: dict[str, str] = {
     "head_tune": "head_tune",
     "fedvpt": "fedvpt",
     "fedvpt_d": "fedvpt_d",
+    "sgpt": "sgpt",
+    "fedmix": "fedmix",
+    "fedpr": "fedpr",
+    "fedem": "fedem",
+    "pfedpg": "pfedpg",
+    "per_fedavg": "per_fedavg",
+    "fedrep": "fedrep",
 }
 
 

@@ -1,0 +1,163 @@
+"""pFedPG: per-client generated prompts, the generator's first-order step, evaluation states, end-to-end runs."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import identity, run_params, synthetic_bundle
+from fedcore.backbones.pretrain import pretrain_vit
+from fedcore.backbones.prompted import PromptedViT
+from fedcore.backbones.vit import build_vit
+from fedcore.data.arrays import DatasetBundle
+from fedcore.methods import method_class
+from fedcore.methods.base import ClientData
+from fedcore.methods.pfedpg import GENERATOR, PROMPT, generate
+from fedcore.train import train_run
+
+M = 5  # clients in the unit tests
+
+
+def _method(**params):
+    torch.manual_seed(0)
+    return method_class("pfedpg")(PromptedViT(build_vit("vit_mini")), 4, params)
+
+
+def _client(cid: int) -> ClientData:
+    x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 4
+    return ClientData(cid, len(y), lambda: iter([(x, y)]), torch.Generator())
+
+
+def _setup(method) -> dict:
+    server = method.init_server_state()
+    torch.manual_seed(1)
+    method.setup([_client(c) for c in range(M)], server)
+    return server
+
+
+def test_generated_prompts_differ_per_client_and_start_each_update():
+    method = _method()
+    server = _setup(method)
+    gen = generate(server, list(range(M)))
+    assert gen.shape == (M, 1, 64)  # prompt length 1, vit_mini's embed_dim
+    dist = torch.cdist(gen[:, 0], gen[:, 0])
+    assert (dist + torch.eye(M)).min() > 1e-3  # every pair of clients gets different prompts
+    glob = method.get_state(method.shared_names())
+    for c in range(M):
+        start = method.start_state(c, glob, method.get_state(method.personal_names()), server)
+        assert torch.allclose(start[PROMPT], gen[c], atol=1e-7)
+    assert method.shared_names() == [PROMPT]
+    assert set(method.personal_names()) == {"head.weight", "head.bias", PROMPT}
+    assert set(_method(eval_prompts="generated").personal_names()) == {"head.weight", "head.bias"}
+
+
+def test_generator_step_moves_generated_prompts_toward_the_adapted_ones():
+    method = _method(gen_lr=1.0)
+    server = _setup(method)
+    before = {k: server[k].clone() for k in GENERATOR}
+    cids, sizes = [0, 3], [30.0, 10.0]
+    torch.manual_seed(2)
+    adapted = generate(server, cids) + 0.2 * torch.randn(2, 1, 64)
+    uploads = [{PROMPT: adapted[i], "cid": c} for i, c in enumerate(cids)]
+    glob = method.aggregate({PROMPT: torch.zeros(1, 64)}, uploads, sizes, server)
+
+    dist_before = (generate(before, cids) - adapted).flatten(1).norm(dim=1)
+    dist_after = (generate(server, cids) - adapted).flatten(1).norm(dim=1)
+    assert (dist_after < 0.9 * dist_before).all(), (dist_before, dist_after)
+
+    # the step is one SGD step on sum_n w_n/2 ||G(d_n) - P~_n||^2, w_n = N_n / mean(N): recompute it by hand
+    phi = {k: before[k].clone().requires_grad_(True) for k in GENERATOR}
+    w = torch.tensor(sizes) / torch.tensor(sizes).mean()
+    loss = (0.5 * w.view(-1, 1, 1) * (generate(phi, cids) - adapted) ** 2).sum()
+    grads = torch.autograd.grad(loss, list(phi.values()))
+    for k, g in zip(GENERATOR, grads):
+        assert torch.allclose(server[k], before[k] - 1.0 * g, atol=1e-6), k
+        assert not torch.equal(server[k], before[k]), k
+    # clients that did not upload keep their descriptors; they are marked as not seen
+    for c in (1, 2, 4):
+        assert torch.equal(server["descriptors"][c], before["descriptors"][c])
+    assert server["seen"].tolist() == [True, False, False, True, False]
+    # the global state is a summary: the mean generated prompt over all clients
+    assert torch.allclose(glob[PROMPT], generate(server, list(range(M))).mean(0))
+
+
+def test_eval_state_uses_adapted_prompts_once_sampled_and_generated_prompts_before():
+    method = _method()
+    server = _setup(method)
+    glob = {PROMPT: torch.zeros(1, 64)}
+    personal = {"head.weight": torch.ones(4, 64), "head.bias": torch.zeros(4), PROMPT: torch.full((1, 64), 7.0)}
+    server["seen"][1] = True
+    seen = method.eval_state(1, glob, personal, server, _client(1))
+    never = method.eval_state(2, glob, personal, server, _client(2))
+    assert torch.equal(seen[PROMPT], personal[PROMPT])
+    assert torch.equal(never[PROMPT], generate(server, [2])[0])
+    assert torch.equal(seen["head.weight"], personal["head.weight"])
+    assert torch.equal(never["head.bias"], personal["head.bias"])  # its own (initial) head, not a global one
+
+    gen_only = _method(eval_prompts="generated")
+    server2 = _setup(gen_only)
+    server2["seen"][:] = True
+    out = gen_only.eval_state(1, glob, personal, server2, _client(1))
+    assert torch.equal(out[PROMPT], generate(server2, [1])[0])
+    with pytest.raises(ValueError, match="eval_prompts must be adapted|generated"):
+        _method(eval_prompts="last")
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained_files(tiny_run_files, tmp_path_factory):
+    """The tiny run files with a vit_mini briefly pretrained on other blob images (random ViTs stay at chance)."""
+    pre = synthetic_bundle(n_train=240, n_test=8, seed=1)
+    out = tmp_path_factory.mktemp("pretrained") / "vit_mini.pt"
+    pretrain_vit(DatasetBundle(train=pre.train, test=pre.test, pretrain=pre.train, meta=pre.meta), epochs=10,
+                 batch_size=32, lr=3e-3, seed=0, out_path=out, threads=1, progress=False)
+    return {**tiny_run_files, "weights": out}
+
+
+def _train(files, work, rounds=3, stop=None, ckpt=False, **fed):
+    work.mkdir(exist_ok=True)
+    params = run_params(rounds=rounds, participation=1.0, local_epochs=2, **fed)
+    params["optimizer"]["lr"] = 0.01
+    return train_run(params, identity("pfedpg"), files["dataset"], files["partition"], "vit_mini", files["weights"],
+                     work / "m.parquet", work / "f.pt", checkpoint_path=(work / "ckpt.pt") if ckpt else None,
+                     progress=False, stop_after_round=stop)
+
+
+def test_end_to_end_learns_and_is_deterministic(trained_files, tmp_path):
+    a = _train(trained_files, tmp_path / "a")
+    b = _train(trained_files, tmp_path / "b")
+    pd.testing.assert_frame_equal(a.metrics, b.metrics)
+    m = a.metrics
+    assert all(math.isfinite(v) for v in m["value"])
+    last = m[(m.client == -1) & (m["round"] >= 2)]
+    assert last[last.metric == "acc_mean"]["value"].mean() > 0.5  # 4 classes: chance is 0.25
+    assert last[(last.split == "global") & (last.metric == "acc")]["value"].mean() > 0.5
+    assert set(a.server_state) >= set(GENERATOR) and a.server_state["seen"].all()
+    heads = torch.stack([a.personal_states[c]["head.weight"] for c in range(4)])
+    assert (heads - heads.mean(0)).abs().amax(dim=(1, 2)).min() > 0  # heads stay personal, never averaged
+    assert set(a.global_state) == {PROMPT}
+
+
+def test_batched_clients_equal_one_by_one_and_resume_is_exact(trained_files, tmp_path, monkeypatch):
+    """pFedPG opts into the engine's batched training (per-client generated starts) and its generator lives
+    in the checkpointed server state."""
+    from fedcore.engine import loop
+
+    full = _train(trained_files, tmp_path / "full", rounds=3)
+    assert _train(trained_files, tmp_path / "cut", rounds=3, stop=2, ckpt=True) is None
+    resumed = _train(trained_files, tmp_path / "cut", rounds=3, ckpt=True)
+    pd.testing.assert_frame_equal(full.metrics, resumed.metrics)
+    for k in GENERATOR:
+        assert torch.equal(full.server_state[k], resumed.server_state[k]), k
+
+    monkeypatch.setattr(loop, "can_batch", lambda *a: False)
+    one = _train(trained_files, tmp_path / "one", rounds=3)
+    a, b = full.metrics, one.metrics
+    pd.testing.assert_frame_equal(a.drop(columns="value"), b.drop(columns="value"))
+    assert abs(a["value"].to_numpy() - b["value"].to_numpy()).max() < 1e-4
+    for k in GENERATOR:
+        # float reassociation in the batched matmuls, summed over 4 clients' signals: ~3e-5 after 3 rounds
+        assert torch.allclose(full.server_state[k], one.server_state[k], atol=1e-4), k
