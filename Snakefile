@@ -17,6 +17,7 @@ include: "rules/data.smk"
 include: "rules/backbones.smk"
 include: "rules/partitions.smk"
 include: "rules/features.smk"
+include: "rules/probes.smk"
 include: "rules/train.smk"
 include: "rules/report.smk"
 

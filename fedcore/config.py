@@ -105,6 +105,7 @@ class Resolved:
     variants: dict[str, dict] = field(default_factory=dict)   # name -> {method, params, label}
     backbones: dict[str, dict] = field(default_factory=dict)
     checksums_path: Path | None = None
+    _scales: dict[str, "Resolved"] = field(default_factory=dict, repr=False, compare=False)  # at_scale's cache
 
     @property
     def scale(self) -> str:
@@ -156,6 +157,40 @@ class Resolved:
         out["method_params"] = self.method_params(experiment, method)
         out["final_window"] = exp["report"].get("rounds", 1) if exp["report"]["window"] == "last" else 1
         out["paper"] = exp["paper"]
+        return out
+
+    def implemented_methods(self) -> list[str]:
+        """Methods whose module exists, plus the variants of those methods (tables say 'not implemented' otherwise)."""
+        from fedcore.methods import METHODS, method_source
+
+        have = {m for m in METHODS if method_source(m).exists()}
+        return sorted(have | {v for v, x in self.variants.items() if x["method"] in have})
+
+    def at_scale(self, scale: str) -> "Resolved":
+        """The same configuration resolved at another scale (loaded once, then cached)."""
+        if scale == self.scale:
+            return self
+        if scale not in self._scales:
+            self._scales[scale] = load_config({**self.top, "scale": scale}, self.root)
+        return self._scales[scale]
+
+    def param_count_models(self, table: str) -> list[dict[str, Any]]:
+        """Table 5's model specs, one per column; a method's model gets its paper-scale params and backbone
+        arch (the paper's architectures are counted at every scale: nothing is trained or read)."""
+        out = []
+        for col in self.tables[table]["columns"]:
+            model = copy.deepcopy(col["model"])
+            if model["source"] == "method":
+                try:
+                    paper = self.at_scale("paper")
+                except ConfigError as e:
+                    raise ConfigError(f"table {table} counts {model['method']} with its paper-scale params, "
+                                      f"but the paper-scale config does not load: {e}") from e
+                exp = paper.experiments[model["experiment"]]
+                model["base"] = paper.base_method(model["method"])
+                model["params"] = paper.method_params(model["experiment"], model["method"])
+                model.setdefault("arch", paper.backbones[exp["backbone"]]["arch"])
+            out.append(model)
         return out
 
     def report_view(self) -> dict[str, dict]:
@@ -223,19 +258,12 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
                 if unknown:
                     raise ConfigError(f"config error in {where}: method {m!r} has unknown param(s) {unknown}; "
                                       f"{resolved.base_method(m)} accepts {sorted(allowed)}")
-        report_file = root / CONFIG_DIR / "reports" / f"{paper}.yaml"
-        if report_file.exists():
-            report = read_yaml(report_file)
-            validate(report, schema, "report_file", str(report_file))
-            for name, table in report.get("tables", {}).items():
-                _check_table(name, table, resolved.experiments, report_file)
-                resolved.tables[name] = table
-            for name, fig in report.get("figures", {}).items():
-                for i, e in enumerate(fig["experiments"]):
-                    _check_name(e, resolved.experiments, f"{report_file} (figure {name})", f"experiments[{i}]")
-                resolved.figures[name] = fig
+        _load_report(root, paper, scale, scale_file, schema, resolved)
     for name in scale.get("experiments", {}):
         _check_name(name, resolved.experiments, str(scale_file), "experiments")
+    for kind in ("tables", "figures"):
+        for name in scale.get(kind, {}):
+            _check_name(name, getattr(resolved, kind), str(scale_file), kind)
     return resolved
 
 
@@ -266,9 +294,83 @@ def _resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_fil
     return out
 
 
-def _check_table(name: str, table: dict, experiments: dict, exp_file: Path) -> None:
-    """Every column names a known experiment; every paper row has one value per column."""
-    where = f"{exp_file} (table {name})"
+def _load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: dict, resolved: Resolved) -> None:
+    """Read config/reports/<paper>.yaml, apply the scale's report overrides, validate, fill display labels."""
+    report_file = root / CONFIG_DIR / "reports" / f"{paper}.yaml"
+    if not report_file.exists():
+        return
+    report = read_yaml(report_file)
+    validate(report, schema, "report_file", str(report_file))
+    runnable = _runnable(resolved)
+    labels = {**{v: x["label"] for v, x in resolved.variants.items() if "label" in x}, **report.get("labels", {})}
+    for kind, definition in (("tables", "table"), ("figures", "figure")):
+        for name, entry in report.get(kind, {}).items():
+            if name in getattr(resolved, kind):
+                raise ConfigError(f"{kind[:-1]} {name!r} in {report_file} is defined twice")
+            where = f"{report_file} ({kind[:-1]} {name})"
+            override = scale.get(kind, {}).get(name)
+            if override is not None:
+                entry = deep_merge(entry, override)
+                where = f"{where} after {scale_file}"
+            validate(entry, schema, definition, where)
+            if kind == "tables":
+                _check_table(entry, resolved.experiments, where, runnable)
+                if entry.get("kind", "metrics") == "metrics":
+                    # explicit row_labels win; then the report's labels; then the variants' own labels
+                    entry["row_labels"] = {r: entry.get("row_labels", {}).get(r, labels.get(r, r)) for r in entry["rows"]}
+            else:
+                _check_figure(entry, resolved.experiments, where, runnable)
+                entry["labels"] = {m: labels.get(m, m) for m in sorted(figure_methods(entry, resolved.experiments))}
+            getattr(resolved, kind)[name] = entry
+
+
+def _runnable(resolved: Resolved) -> set[str]:
+    """Names a run's method may take: registered methods and the loaded variants."""
+    from fedcore.methods import METHODS
+
+    return set(METHODS) | set(resolved.variants)
+
+
+def figure_experiments(fig: dict) -> list[str]:
+    """The experiments a figure reads (one panel each for accuracy_per_round)."""
+    return list(fig["experiments"]) if "experiments" in fig else [fig["experiment"]]
+
+
+def figure_methods(fig: dict, experiments: dict[str, dict] | None = None) -> set[str]:
+    """Every method or variant a figure names (accuracy_per_round: its experiments' methods)."""
+    names = set(fig.get("methods", [])) | set(fig.get("baselines", []))
+    if fig["kind"] == "scatter":
+        names |= set(fig.get("paper", {}))
+    if "highlight" in fig:
+        names.add(fig["highlight"])
+    names |= {p["method"] for p in fig.get("points", [])} | {p["method"] for p in fig.get("panels", [])}
+    for series in fig.get("series", []):
+        names |= {p["method"] for p in series["points"]}
+    if fig["kind"] == "accuracy_per_round" and experiments is not None:
+        for e in fig["experiments"]:
+            names |= set(experiments[e]["methods"])
+    return names
+
+
+def _check_figure(fig: dict, experiments: dict, where: str, runnable: set[str]) -> None:
+    """A figure names known experiments and known methods/variants, and each setting at most once per series."""
+    for i, e in enumerate(figure_experiments(fig)):
+        _check_name(e, experiments, where, f"experiments[{i}]" if "experiments" in fig else "experiment")
+    for m in sorted(figure_methods(fig)):
+        _check_name(m, runnable, where, "methods")
+    for j, series in enumerate(fig.get("series", [])):
+        values = [p["value"] for p in series["points"]]
+        if len(set(values)) != len(values):
+            raise ConfigError(f"config error in {where} at series[{j}].points: a setting appears twice in {values}")
+
+
+def _check_table(table: dict, experiments: dict, where: str, runnable: set[str]) -> None:
+    """Rows are methods or variants; columns name known experiments; paper rows have one value per column."""
+    if table.get("kind") == "param_count":
+        _check_param_table(table, experiments, where, runnable)
+        return
+    for i, row in enumerate(table["rows"]):
+        _check_name(row, runnable, where, f"rows[{i}]")
     for i, col in enumerate(table["columns"]):
         _check_name(col["experiment"], experiments, where, f"columns[{i}].experiment")
         if col["metric"] == "client_acc" and "client" not in col:
@@ -278,3 +380,24 @@ def _check_table(name: str, table: dict, experiments: dict, exp_file: Path) -> N
         if len(values) != len(table["columns"]):
             raise ConfigError(f"config error in {where} at paper.{row}: {len(values)} values for "
                               f"{len(table['columns'])} columns")
+    attrs = table.get("row_attributes")
+    if attrs:
+        for row, values in attrs["values"].items():
+            _check_name(row, table["rows"], where, f"row_attributes.values.{row}")
+            if len(values) != len(attrs["columns"]):
+                raise ConfigError(f"config error in {where} at row_attributes.values.{row}: {len(values)} values "
+                                  f"for {len(attrs['columns'])} columns")
+
+
+def _check_param_table(table: dict, experiments: dict, where: str, runnable: set[str]) -> None:
+    """A model built from a method names a known experiment and method; others name an architecture."""
+    for i, col in enumerate(table["columns"]):
+        model = col["model"]
+        if model["source"] == "method":
+            for key in ("method", "experiment"):
+                if key not in model:
+                    raise ConfigError(f"config error in {where} at columns[{i}].model: source method needs {key!r}")
+            _check_name(model["experiment"], experiments, where, f"columns[{i}].model.experiment")
+            _check_name(model["method"], runnable, where, f"columns[{i}].model.method")
+        elif "arch" not in model:
+            raise ConfigError(f"config error in {where} at columns[{i}].model: source {model['source']} needs 'arch'")

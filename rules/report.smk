@@ -1,5 +1,46 @@
-# Results: concatenate every run's Parquet once; tables and figures are built only from that table.
-from fedcore.methods import METHODS
+# Results: concatenate every run's Parquet once; tables and figures are built from that table, from a
+# probe's output (rules/probes.smk) or from a partition's class counts, each declared as an input so an
+# edit of it reruns the output. The config's `kind` picks the builder (fedcore/report/render.py).
+from fedcore.report.render import figure_input, personalized_flags, table_input
+
+# Report code every table and figure runs: an edit here rebuilds them (cheap), never a training run.
+REPORT_CODE = sorted(str(p) for p in (FEDCORE / "report").glob("*.py"))
+
+
+def partition_counts_file(exp, seed):
+    """The class-count summary the partition rule writes beside the partition file."""
+    return partition_file(exp, seed).removesuffix(".npz") + ".counts.csv"
+
+
+def report_data(name, kind_input):
+    """Path of the one data file a table or figure named `name` reads (see fedcore/report/render.py)."""
+    if kind_input == "metrics":
+        return f"{RESULTS}/metrics.parquet"
+    if kind_input == "counts":
+        return f"{RESULTS}/probes/{name}/param_counts.csv"
+    if kind_input == "embedding":
+        return f"{RESULTS}/probes/{name}/tsne.npz"
+    if kind_input == "values":
+        return f"{RESULTS}/probes/{name}/congruence.csv"
+    if kind_input == "partition":
+        return partition_counts_file(CFG.figures[name]["experiment"], CFG.seeds[0])
+    raise ValueError(f"unknown report input {kind_input!r}")
+
+
+def table_inputs(wildcards):
+    kind_input = table_input(CFG.tables[wildcards.name])
+    return {kind_input: report_data(wildcards.name, kind_input), "code": REPORT_CODE}
+
+
+def figure_inputs(wildcards):
+    kind_input = figure_input(CFG.figures[wildcards.name])
+    return {kind_input: report_data(wildcards.name, kind_input), "code": REPORT_CODE}
+
+
+def figure_personalized(wildcards):
+    """PFL/GFL per method, for the scatter's markers (only what the figure draws, so params stay stable)."""
+    fig = CFG.figures[wildcards.name]
+    return personalized_flags(fig.get("methods", []), CFG.base_method) if fig["kind"] == "scatter" else {}
 
 
 rule aggregate_metrics:
@@ -15,7 +56,7 @@ rule aggregate_metrics:
 
 rule table:
     input:
-        f"{RESULTS}/metrics.parquet",
+        unpack(table_inputs),
     output:
         md=f"{RESULTS}/tables/{{name}}.md",
         tex=f"{RESULTS}/tables/{{name}}.tex",
@@ -24,7 +65,7 @@ rule table:
         table=lambda wc: CFG.tables[wc.name],
         experiments=CFG.report_view(),
         scale=SCALE,
-        implemented=sorted(METHODS),
+        implemented=CFG.implemented_methods(),
     log:
         f"{RESULTS}/logs/table/{{name}}.log",
     script:
@@ -33,7 +74,7 @@ rule table:
 
 rule figure:
     input:
-        f"{RESULTS}/metrics.parquet",
+        unpack(figure_inputs),
     output:
         png=f"{RESULTS}/figures/{{name}}.png",
         pdf=f"{RESULTS}/figures/{{name}}.pdf",
@@ -41,6 +82,9 @@ rule figure:
         figure=lambda wc: CFG.figures[wc.name],
         experiments=CFG.report_view(),
         scale=SCALE,
+        implemented=CFG.implemented_methods(),
+        personalized=figure_personalized,
+        seed=CFG.seeds[0],
     log:
         f"{RESULTS}/logs/figure/{{name}}.log",
     script:

@@ -22,7 +22,8 @@ def test_default_config_resolves_to_mini_runs():
     cfg = load_config(DEFAULT, ROOT)
     assert cfg.scale == "mini"
     runs = cfg.runs()
-    assert {r["experiment"] for r in runs} == {"sgpt_c100_s50", "sgpt_c100_s10", "sgpt_five"}
+    assert {r["experiment"] for r in runs} == {"sgpt_c100_s50", "sgpt_c100_s10", "sgpt_five", "sgpt_office",
+                                               "sgpt_domainnet"}
     exp = cfg.experiments["sgpt_c100_s10"]
     assert exp["dataset"] == "digits" and exp["backbone"] == "vit_mini"
     assert exp["partition"]["classes_per_client"] == 2 and exp["federation"]["rounds"] == 10
@@ -36,6 +37,33 @@ def test_paper_scale_keeps_paper_budget():
     assert exp["partition"]["clients"] == 100 and exp["partition"]["classes_per_client"] == 10
     assert exp["evaluation"] == {"global_test": "pooled_local", "every": 5}
     assert cfg.train_params("sgpt_c100_s10", "local")["final_window"] == 10
+
+
+def test_variants_run_their_method_with_merged_params():
+    cfg = load_config(DEFAULT, ROOT)
+    p = cfg.train_params("sgpt_c100_s10", "sgpt_ak0p3")
+    assert p["method"] == "sgpt"
+    # the experiment's sgpt params at this scale (mini: 4 blocks), then the variant's
+    assert p["method_params"] == {"groups": 5, "shared_blocks": [0], "group_blocks": [1, 2], "select_block": 3,
+                                  "key_momentum": 0.3}
+    paper = load_config({**DEFAULT, "scale": "paper"}, ROOT)
+    assert paper.train_params("sgpt_c100_s10", "sgpt_group_to5")["method_params"] == {
+        "groups": 20, "shared_blocks": [0, 1, 2, 3], "group_blocks": [4, 5], "select_block": 11}
+    # spec §6: Table 1 24 + Table 2 14 + Table 3 4 + Table 4 4 + Fig. 3 1 + Fig. 4 18 + Figs. 6a/6b 9
+    assert len(paper.runs()) == 74
+
+
+def test_unknown_variant_param_is_reported(tmp_path):
+    root = _edit_experiments(tmp_path, lambda d: d["variants"]["sgpt_qg"]["params"].update(key_momentun=0.1))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert "'sgpt_qg' has unknown param(s) ['key_momentun']" in str(e.value) and "key_momentum" in str(e.value)
+
+
+def test_variant_name_may_not_shadow_a_method(tmp_path):
+    root = _edit_experiments(tmp_path, lambda d: d["variants"].update(fedvpt={"method": "sgpt"}))
+    with pytest.raises(ConfigError, match="'fedvpt' is already a method or variant"):
+        load_config(DEFAULT, root)
 
 
 def test_train_params_are_one_runs_slice():
@@ -72,7 +100,7 @@ def test_unknown_method_names_allowed_methods(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, root)
     msg = str(e.value)
-    assert "experiment sgpt_five" in msg and "methods[5]" in msg and "'fedavgg'" in msg and "'fedvpt_d'" in msg
+    assert "experiment sgpt_five" in msg and "methods[8]" in msg and "'fedavgg'" in msg and "'fedvpt_d'" in msg
 
 
 def test_unknown_experiment_key_lists_allowed_keys(tmp_path):

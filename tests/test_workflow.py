@@ -18,7 +18,10 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-MICRO_METHODS = ["head_tune", "local"]
+MICRO_METHODS = ["head_tune", "sgpt"]
+MICRO_VARIANT = "sgpt_qg"  # one variant, in sgpt_c100_s10 only
+MICRO_EXPERIMENTS = {"sgpt_c100_s50", "sgpt_c100_s10", "sgpt_five", "sgpt_office", "sgpt_domainnet"}
+TRAINING_RULES = {"fetch_dataset", "build_dataset", "pretrain_backbone", "partition", "select_features"}
 
 
 def _snakemake(workdir: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -34,14 +37,15 @@ def _edit_yaml(path: Path, edit) -> None:
 
 
 def _micro(doc: dict) -> None:
-    for exp in doc["experiments"].values():
-        exp["methods"] = list(MICRO_METHODS)
+    for name, exp in doc["experiments"].items():
+        exp["methods"] = list(MICRO_METHODS) + ([MICRO_VARIANT] if name == "sgpt_c100_s10" else [])
 
 
 def _micro_scale(doc: dict) -> None:
     doc["federation"] = {"rounds": 2, "local_epochs": 1}
     for exp in doc["experiments"].values():
         exp["report"] = {"window": "last", "rounds": 2}
+        exp.pop("methods", None)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,7 @@ def workspace(tmp_path_factory):
     _edit_yaml(work / "config" / "experiments" / "sgpt.yaml", _micro)
     _edit_yaml(work / "config" / "scales" / "mini.yaml", _micro_scale)
     _edit_yaml(work / "config" / "backbones.yaml", lambda d: d["vit_mini"]["pretrain"].update(epochs=1))
-    run = _snakemake(work, timeout=170)
+    run = _snakemake(work, timeout=420)
     assert run.returncode == 0, run.stderr[-4000:]
     return work
 
@@ -81,17 +85,20 @@ def _train_jobs(jobs):
 
 def test_pipeline_writes_metrics_tables_figures(workspace):
     metrics = pd.read_parquet(workspace / "results" / "metrics.parquet")
-    assert set(metrics["method"]) == set(MICRO_METHODS)
-    assert set(metrics["experiment"]) == {"sgpt_c100_s50", "sgpt_c100_s10", "sgpt_five"}
+    assert set(metrics["method"]) == set(MICRO_METHODS) | {MICRO_VARIANT}
+    assert set(metrics["experiment"]) == MICRO_EXPERIMENTS
     assert sorted(metrics["round"].unique()) == [1, 2]
+    assert (metrics["metric"] == "select_cluster_acc").any()  # SGPT's Select scored against coarse labels
     for ext in ("md", "tex", "csv"):
         assert (workspace / "results" / "tables" / f"sgpt_table1.{ext}").stat().st_size > 0
     md = (workspace / "results" / "tables" / "sgpt_table1.md").read_text()
-    assert "not implemented" in md and "not configured" in md  # sgpt row; fedvpt is not in the micro config
+    assert "not configured" in md  # fedvpt is not in the micro config
     for ext in ("png", "pdf"):
         assert (workspace / "results" / "figures" / f"sgpt_accuracy_per_round.{ext}").stat().st_size > 1000
     heatmaps = list((workspace / "results" / "partitions").glob("*/*/seed0.heatmap.png"))
-    assert len(heatmaps) == 3
+    assert len(heatmaps) == 5  # s=50, s=10, five, office, domainnet analogues
+    queries = list((workspace / "results" / "features").glob("vit_mini/*/select_block*.npz"))
+    assert len(queries) == 4   # label shift: last block of digits/digits_five; feature shift: block 1
 
 
 def test_nothing_to_do_after_a_complete_run(workspace):
@@ -104,10 +111,20 @@ def test_editing_one_method_reruns_only_its_jobs(workspace):
     try:
         src.write_text(original + "\n# an edit\n")
         jobs = _planned_jobs(workspace)
-        assert _train_jobs(jobs) == [(e, "head_tune", "0") for e in ("sgpt_c100_s10", "sgpt_c100_s50", "sgpt_five")]
-        assert {r for r, _ in jobs} == {"train", "aggregate_metrics", "table", "figure", "all"}
+        assert _train_jobs(jobs) == [(e, "head_tune", "0") for e in sorted(MICRO_EXPERIMENTS)]
+        assert not {r for r, _ in jobs} & TRAINING_RULES
     finally:
         src.write_text(original)
+
+
+def test_editing_one_variant_reruns_only_its_runs(workspace):
+    path = workspace / "config" / "experiments" / "sgpt.yaml"
+    original = path.read_text()
+    try:
+        _edit_yaml(path, lambda d: d["variants"][MICRO_VARIANT]["params"].update(key_momentum=0.1))
+        assert _train_jobs(_planned_jobs(workspace)) == [("sgpt_c100_s10", MICRO_VARIANT, "0")]
+    finally:
+        path.write_text(original)
 
 
 def test_editing_one_experiment_reruns_only_its_jobs(workspace):
@@ -116,7 +133,7 @@ def test_editing_one_experiment_reruns_only_its_jobs(workspace):
     try:
         _edit_yaml(path, lambda d: d["experiments"]["sgpt_c100_s10"]["optimizer"].update(lr=0.02))
         jobs = _planned_jobs(workspace)
-        assert _train_jobs(jobs) == [("sgpt_c100_s10", m, "0") for m in sorted(MICRO_METHODS)]
+        assert _train_jobs(jobs) == [("sgpt_c100_s10", m, "0") for m in sorted(MICRO_METHODS + [MICRO_VARIANT])]
         assert not [w for r, w in jobs if r == "partition"]
     finally:
         path.write_text(original)
@@ -125,14 +142,14 @@ def test_editing_one_experiment_reruns_only_its_jobs(workspace):
 def test_adding_a_seed_runs_only_the_new_seed(workspace):
     jobs = _planned_jobs(workspace, "--config", "seeds=[0,1]")
     trains = _train_jobs(jobs)
-    assert trains and {s for _, _, s in trains} == {"1"} and len(trains) == 3 * len(MICRO_METHODS)
+    assert trains and {s for _, _, s in trains} == {"1"} and len(trains) == 5 * len(MICRO_METHODS) + 1
     assert {w["seed"] for r, w in jobs if r == "partition"} == {"1"}
     assert not [r for r, _ in jobs if r in ("pretrain_backbone", "build_dataset")]
 
 
 def test_paper_scale_dag_builds_without_data(workspace):
     jobs = _planned_jobs(workspace, "--config", "scale=paper")
-    assert len(_train_jobs(jobs)) == 3 * len(MICRO_METHODS)
+    assert len(_train_jobs(jobs)) == 5 * len(MICRO_METHODS) + 1
     rules = {r for r, _ in jobs}
     assert {"fetch_dataset", "build_dataset", "backbone_weights"} <= rules and "pretrain_backbone" not in rules
 

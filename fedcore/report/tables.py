@@ -45,6 +45,8 @@ METRIC_KEYS: dict[str, tuple[str, int, str]] = {
     "global_acc": ("global", -1, "acc"),
     "local_acc": ("local", -1, "acc_mean"),
     "worst_local_acc": ("local", -1, "acc_worst"),
+    # Hungarian accuracy of SGPT's Select groups vs. the coarse labels (SGPT Table 4), written by sgpt runs
+    "select_cluster_acc": ("global", -1, "select_cluster_acc"),
 }
 
 PAPER_ROLE = {"paper": "target", "mini": "layout reference only (data and backbone differ)"}
@@ -138,7 +140,8 @@ def mean_std(values: pd.Series) -> tuple[float, float]:
 
 def _incomplete(run: pd.DataFrame, experiment: dict) -> bool:
     """True when some seed's run ends before the experiment's configured number of rounds."""
-    rounds = (experiment.get("federation") or {}).get("rounds")
+    # Resolved.report_view() carries `rounds`; a full experiment dict carries federation.rounds
+    rounds = experiment.get("rounds", (experiment.get("federation") or {}).get("rounds"))
     if rounds is None:
         return False
     last = run.groupby("seed")["round"].max()
@@ -160,7 +163,7 @@ def _paper_numbers(table_cfg: dict, row: str) -> list[float | None]:
     return [None if v is None else float(v) for v in values]
 
 
-def _run_rows(metrics: pd.DataFrame, experiment: str, exp_cfg: dict, method: str, scale: str) -> pd.DataFrame:
+def run_rows(metrics: pd.DataFrame, experiment: str, exp_cfg: dict, method: str, scale: str) -> pd.DataFrame:
     """All metric rows of one (experiment, method, scale), all seeds."""
     mask = (metrics["experiment"] == experiment) & (metrics["method"] == method) & (metrics["scale"] == scale)
     if "paper" in exp_cfg:
@@ -168,8 +171,8 @@ def _run_rows(metrics: pd.DataFrame, experiment: str, exp_cfg: dict, method: str
     return metrics.loc[mask]
 
 
-def _cell_status(method: str, exp_cfg: dict, run: pd.DataFrame, rows: pd.DataFrame,
-                 implemented: set[str]) -> str:
+def cell_status(method: str, exp_cfg: dict, run: pd.DataFrame, rows: pd.DataFrame,
+                implemented: set[str]) -> str:
     """Why a cell has (or lacks) a number."""
     if method not in implemented:
         return NOT_IMPLEMENTED
@@ -186,13 +189,13 @@ def build_cell(metrics: pd.DataFrame, method: str, col: dict, exp_cfg: dict, sca
                implemented: set[str]) -> dict[str, Any]:
     """Compute one cell: our number (or the reason there is none) and its provenance."""
     split, client, metric = metric_key(col)
-    run = _run_rows(metrics, col["experiment"], exp_cfg, method, scale)
+    run = run_rows(metrics, col["experiment"], exp_cfg, method, scale)
     rows = run.loc[(run["split"] == split) & (run["client"] == client) & (run["metric"] == metric)]
     cell: dict[str, Any] = {
         "experiment": col["experiment"], "metric": col["metric"], "client": client,
         "window": describe_window(exp_cfg["report"]), "ours": math.nan, "ours_std": math.nan,
         "n_seeds": 0, "rounds_used": pd.NA, "short_window": False, "incomplete": False,
-        "status": _cell_status(method, exp_cfg, run, rows, implemented),
+        "status": cell_status(method, exp_cfg, run, rows, implemented),
     }
     if cell["status"] != OK:
         return cell
@@ -302,6 +305,15 @@ def _grid(table: pd.DataFrame, scale: str) -> tuple[list[str], list[list[tuple[s
     return labels, grid
 
 
+def _row_attributes(table_cfg: dict, table: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """Extra text columns left of the numbers (e.g. Table 3's check marks): headers and one list per row."""
+    attrs = table_cfg.get("row_attributes")
+    if not attrs:
+        return [], [[] for _ in table["row"].drop_duplicates()]
+    blank = [""] * len(attrs["columns"])
+    return list(attrs["columns"]), [list(attrs["values"].get(r, blank)) for r in table["row"].drop_duplicates()]
+
+
 def _column_labels(table: pd.DataFrame) -> list[str]:
     """The table's column labels in order."""
     return list(table.drop_duplicates("col_index").sort_values("col_index")["column"])
@@ -347,14 +359,15 @@ def _md_escape(text: str) -> str:
 def render_markdown(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
     """A pipe table with the caption (and the scale note) on top and the footnotes below."""
     subs = _subheaders(scale)
-    header = ["Method"] + [f"{c}: {s}" for c in _column_labels(table) for s in subs]
+    attr_cols, attr_rows = _row_attributes(table_cfg, table)
+    header = ["Method"] + attr_cols + [f"{c}: {s}" for c in _column_labels(table) for s in subs]
     labels, grid = _grid(table, scale)
     lines = [f"**{table_cfg.get('caption', '')}** {scale_note(scale)}", ""]
     lines.append("| " + " | ".join(_md_escape(h) for h in header) + " |")
-    lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
-    for label, entries in zip(labels, grid):
+    lines.append("|" + "|".join(["---"] + [":---:"] * len(attr_cols) + ["---:"] * (len(header) - 1 - len(attr_cols))) + "|")
+    for label, attrs, entries in zip(labels, attr_rows, grid):
         texts = [f"**{_md_escape(t)}**" if b else _md_escape(t) for t, b in entries]
-        lines.append("| " + " | ".join([_md_escape(label)] + texts) + " |")
+        lines.append("| " + " | ".join([_md_escape(label)] + [_md_escape(a) for a in attrs] + texts) + " |")
     lines.append("")
     lines.extend(f"{note}  " for note in footnotes(table, scale))
     return "\n".join(lines).rstrip() + "\n"
@@ -362,7 +375,7 @@ def render_markdown(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
 
 _TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
                 "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
-_TEX_UNICODE = {"±": r"$\pm$", "—": "---", "−": "$-$", "Δ": r"$\Delta$",
+_TEX_UNICODE = {"±": r"$\pm$", "—": "---", "−": "$-$", "Δ": r"$\Delta$", "✓": r"$\checkmark$",
                 SHORT_MARK: r"$^{\dagger}$", INCOMPLETE_MARK: r"$^{\ddagger}$"}
 
 
@@ -375,23 +388,26 @@ def latex_escape(text: str) -> str:
 
 
 def render_latex(table: pd.DataFrame, table_cfg: dict, scale: str, label: str | None = None) -> str:
-    """A booktabs tabular inside a table environment (needs booktabs and graphicx)."""
+    """A booktabs tabular inside a table environment (needs booktabs and graphicx; amssymb for ✓)."""
     subs = _subheaders(scale)
     cols = _column_labels(table)
     k = len(subs)
+    attr_cols, attr_rows = _row_attributes(table_cfg, table)
+    a = len(attr_cols)
     labels, grid = _grid(table, scale)
     caption = latex_escape(f"{table_cfg.get('caption', '')} {scale_note(scale)}")
     lines = [r"\begin{table}[htbp]", r"\centering", rf"\caption{{{caption}}}"]
     if label:
         lines.append(rf"\label{{tab:{latex_escape(label)}}}")
-    lines += [r"\resizebox{\linewidth}{!}{%", r"\begin{tabular}{l" + "r" * (k * len(cols)) + "}", r"\toprule"]
-    lines.append(" & ".join([""] + [rf"\multicolumn{{{k}}}{{c}}{{{latex_escape(c)}}}" for c in cols]) + r" \\")
-    lines.append(" ".join(rf"\cmidrule(lr){{{2 + k * i}-{1 + k * (i + 1)}}}" for i in range(len(cols))))
-    lines.append(" & ".join(["Method"] + [latex_escape(s) for s in subs] * len(cols)) + r" \\")
+    lines += [r"\resizebox{\linewidth}{!}{%", r"\begin{tabular}{l" + "c" * a + "r" * (k * len(cols)) + "}", r"\toprule"]
+    lines.append(" & ".join([""] * (1 + a) + [rf"\multicolumn{{{k}}}{{c}}{{{latex_escape(c)}}}" for c in cols]) + r" \\")
+    lines.append(" ".join(rf"\cmidrule(lr){{{2 + a + k * i}-{1 + a + k * (i + 1)}}}" for i in range(len(cols))))
+    lines.append(" & ".join(["Method"] + [latex_escape(c) for c in attr_cols] + [latex_escape(s) for s in subs] * len(cols))
+                 + r" \\")
     lines.append(r"\midrule")
-    for row_label, entries in zip(labels, grid):
+    for row_label, attrs, entries in zip(labels, attr_rows, grid):
         texts = [rf"\textbf{{{latex_escape(t)}}}" if b else latex_escape(t) for t, b in entries]
-        lines.append(" & ".join([latex_escape(row_label)] + texts) + r" \\")
+        lines.append(" & ".join([latex_escape(row_label)] + [latex_escape(x) for x in attrs] + texts) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}}", r"\par\smallskip", r"{\footnotesize"]
     lines.append(" \\\\\n".join(latex_escape(n) for n in footnotes(table, scale)))
     lines += ["}", r"\end{table}"]

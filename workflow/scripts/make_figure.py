@@ -1,14 +1,14 @@
-"""snakemake -> fedcore.report.figures."""
+"""snakemake -> fedcore.report.render.render_figure (the figure's kind picks the builder)."""
 import sys
 from pathlib import Path
-
-import pandas as pd
 
 sys.path.insert(0, str(Path(snakemake.scriptdir)))
 import _log  # noqa: E402
 
-from fedcore.report.figures import plot_accuracy_per_round  # noqa: E402
+from fedcore.report.render import render_figure  # noqa: E402
 
 _log.setup(snakemake)
-plot_accuracy_per_round(pd.read_parquet(snakemake.input[0]), snakemake.params.figure, snakemake.output.png,
-                        snakemake.output.pdf, scale=snakemake.params.scale, experiments=snakemake.params.experiments)
+p = snakemake.params
+render_figure(p.figure, dict(snakemake.input.items()), snakemake.output.png, snakemake.output.pdf,
+              {"scale": p.scale, "experiments": p.experiments, "implemented": p.implemented,
+               "personalized": p.personalized, "seed": p.seed})

@@ -1,0 +1,96 @@
+"""SGPT Table 5 probe: trainable-parameter counts of full models (FedAvg) and of a prompt method.
+
+Models are built with random weights on the meta device (no memory, no weight files, nothing trained);
+a model whose init cannot run on meta is built on the CPU instead, which gives the same count.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from fedcore.io import atomic_path
+
+log = logging.getLogger(__name__)
+
+OK = "ok"
+NOT_IMPLEMENTED = "not implemented"
+COLUMNS = ["column", "source", "arch", "method", "experiment", "num_classes", "trainable", "total", "status", "device"]
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
+    """Number of scalar parameters (only those with requires_grad when `trainable_only`)."""
+    return int(sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only))
+
+
+def build_model(spec: dict[str, Any]) -> nn.Module:
+    """The model a Table 5 column counts, on torch's current default device.
+
+    source torchvision|timm: the whole classifier with `num_classes` outputs (FedAvg trains all of it);
+    source method: the method's trainable model around a frozen PromptedViT of `arch`, built with `params`.
+    """
+    source, arch, classes = spec["source"], spec.get("arch"), int(spec["num_classes"])
+    if source == "torchvision":
+        import torchvision
+
+        return torchvision.models.get_model(arch, weights=None, num_classes=classes)
+    if source == "timm":
+        import timm
+
+        return timm.create_model(arch, pretrained=False, num_classes=classes)
+    if source == "method":
+        from fedcore.backbones.prompted import PromptedViT
+        from fedcore.backbones.vit import build_vit
+        from fedcore.methods import method_class
+
+        cls = method_class(spec.get("base", spec["method"]))
+        return cls(PromptedViT(build_vit(arch, None)), classes, dict(spec.get("params") or {})).model
+    raise ValueError(f"unknown model source {source!r}; expected torchvision, timm or method")
+
+
+def _implemented(spec: dict[str, Any]) -> bool:
+    """Whether a method column's method has code (a missing one is reported, not raised)."""
+    if spec["source"] != "method":
+        return True
+    from fedcore.methods import METHODS, method_source
+
+    base = spec.get("base", spec["method"])
+    return base in METHODS and method_source(base).exists()
+
+
+def model_counts(spec: dict[str, Any]) -> dict[str, Any]:
+    """Trainable and total parameter counts of one column's model, and the device it was built on."""
+    if not _implemented(spec):
+        return {"trainable": math.nan, "total": math.nan, "status": NOT_IMPLEMENTED, "device": ""}
+    try:
+        with torch.device("meta"):
+            model, device = build_model(spec), "meta"
+    except (NotImplementedError, RuntimeError) as e:  # an init op without a meta kernel
+        log.info("building %s on the CPU: meta device failed (%s)", spec.get("arch"), e)
+        model, device = build_model(spec), "cpu"
+    return {"trainable": count_parameters(model), "total": count_parameters(model, trainable_only=False),
+            "status": OK, "device": device}
+
+
+def param_counts(models: list[dict[str, Any]]) -> pd.DataFrame:
+    """One row per Table 5 column: the model spec and its counts (NaN with a status when it cannot be built)."""
+    rows = []
+    for j, spec in enumerate(models):
+        rows.append({"column": j, "source": spec["source"], "arch": spec.get("arch", ""),
+                     "method": spec.get("method", ""), "experiment": spec.get("experiment", ""),
+                     "num_classes": int(spec["num_classes"]), **model_counts(spec)})
+    return pd.DataFrame(rows, columns=COLUMNS).astype({"trainable": "Int64", "total": "Int64"})
+
+
+def write_param_counts(models: list[dict[str, Any]], out_csv: str | os.PathLike) -> pd.DataFrame:
+    """Count every model and write the table as CSV, atomically."""
+    table = param_counts(models)
+    with atomic_path(Path(out_csv)) as tmp:
+        table.to_csv(tmp, index=False)
+    return table

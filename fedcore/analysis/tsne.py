@@ -1,0 +1,97 @@
+"""SGPT Fig. 5 probe: t-SNE maps of frozen CLS features after several blocks, on a class-balanced subsample.
+
+The backbone is the frozen, un-prompted pretrained ViT (``fedcore.features.layer_features``: final-norm CLS
+after each requested block, 0-indexed). Samples are balanced over the coarse labels (CIFAR-100's 20
+superclasses; the dataset's classes when it has none). The embedding is computed here, once, so the
+figure only draws it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedcore.io import atomic_path
+
+FORMAT = "fedcore-tsne-v1"
+
+
+def balanced_subsample(labels: np.ndarray, per_class: int, seed: int) -> np.ndarray:
+    """Sorted indices of up to `per_class` samples of every label, drawn without replacement (seeded)."""
+    rng = np.random.default_rng(seed)
+    labels = np.asarray(labels)
+    picks = [rng.permutation(np.flatnonzero(labels == c))[:per_class] for c in np.unique(labels)]
+    return np.sort(np.concatenate(picks)) if picks else np.zeros(0, dtype=np.int64)
+
+
+def tsne_embedding(features: np.ndarray, perplexity: float, seed: int) -> np.ndarray:
+    """2-D t-SNE (scikit-learn, PCA init, fixed seed) of `features`; perplexity capped below the sample count."""
+    from sklearn.manifold import TSNE
+
+    n = len(features)
+    if n < 3:
+        raise ValueError(f"t-SNE needs at least 3 samples, got {n}")
+    perp = min(float(perplexity), (n - 1) / 3.0)  # sklearn requires perplexity < n; keep a margin
+    tsne = TSNE(n_components=2, perplexity=perp, init="pca", random_state=seed, learning_rate="auto")
+    return tsne.fit_transform(np.asarray(features, dtype=np.float32)).astype(np.float32)
+
+
+def compute_tsne(dataset_path: str | os.PathLike, arch: str, weights: str | os.PathLike | None, fig_cfg: dict[str, Any],
+                 out_path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> None:
+    """Features of a class-balanced subsample after each configured block, embedded by t-SNE, saved as .npz."""
+    import torch
+
+    from fedcore.backbones.prompted import PromptedViT, attention_backend
+    from fedcore.backbones.vit import backbone_info, build_vit
+    from fedcore.data.arrays import load_bundle
+    from fedcore.engine.data import DeviceSplit, InputPipeline
+    from fedcore.features import layer_features
+    from fedcore.train import pick_device
+
+    if threads:
+        torch.set_num_threads(threads)
+    dev = pick_device(device)
+    bundle = load_bundle(dataset_path)
+    split = getattr(bundle, fig_cfg.get("split", "test"))
+    kind = "coarse" if split.coarse is not None else "fine"
+    labels = np.asarray(split.coarse if kind == "coarse" else split.y, dtype=np.int64)
+    names = bundle.meta.get("coarse_classes" if kind == "coarse" else "classes") or []
+    seed = int(fig_cfg.get("seed", 0))
+    idx = balanced_subsample(labels, int(fig_cfg["per_class"]), seed)
+
+    vit = build_vit(arch, weights)
+    depth = len(vit.blocks)
+    blocks = [int(b) for b in fig_cfg["blocks"]]
+    bad = [b for b in blocks if not 0 <= b < depth]
+    if bad:
+        raise ValueError(f"t-SNE blocks {bad} are outside {arch}'s blocks 0..{depth - 1}: set figures.<name>.blocks "
+                         f"in config/scales/<scale>.yaml")
+    info = backbone_info(vit)
+    backbone = PromptedViT(vit).to(dev)
+    pipeline = InputPipeline(info["img_size"], info["mean"], info["std"])
+    with attention_backend(dev):
+        feats = layer_features(backbone, DeviceSplit.from_arrays(split, dev), pipeline, blocks,
+                               indices=torch.from_numpy(idx).to(dev))
+    arrays = {f"emb_{b}": tsne_embedding(feats[b], float(fig_cfg.get("perplexity", 30)), seed) for b in blocks}
+    counts = np.bincount(labels[idx], minlength=int(labels.max(initial=-1)) + 1)
+    meta = {"format": FORMAT, "arch": arch, "depth": depth, "split": fig_cfg.get("split", "test"), "label_kind": kind,
+            "label_names": list(names), "per_class": int(fig_cfg["per_class"]), "per_class_drawn": counts.tolist(),
+            "perplexity": float(fig_cfg.get("perplexity", 30)), "seed": seed}
+    with atomic_path(Path(out_path), suffix=".npz") as tmp:
+        with open(tmp, "wb") as f:
+            np.savez(f, blocks=np.asarray(blocks, dtype=np.int64), labels=labels[idx], index=idx,
+                     meta=json.dumps(meta), **arrays)
+
+
+def read_tsne(path: str | os.PathLike) -> dict[str, Any]:
+    """The probe's blocks, labels, per-block embeddings and meta, with a clear error for a wrong file."""
+    with np.load(path) as z:
+        meta = json.loads(str(z["meta"]))
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a {FORMAT} file (format {meta.get('format')!r})")
+        blocks = [int(b) for b in z["blocks"]]
+        return {"blocks": blocks, "labels": z["labels"], "meta": meta,
+                "embeddings": {b: z[f"emb_{b}"] for b in blocks if f"emb_{b}" in z.files}}

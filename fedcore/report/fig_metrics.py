@@ -1,0 +1,246 @@
+"""Paper figures drawn from the aggregated metrics: method scatter (SGPT Fig. 1), per-group selection counts
+(Fig. 3) and sweeps of one setting (Figs. 4 and 6b).
+
+Every value is a run's windowed metric computed exactly like a table cell (mean over seeds of the report
+window, in %). A method or setting without a number is never dropped silently: it is listed under the
+plot with the reason (not implemented, not configured, missing run, missing metric), and sweeps mark its
+position with a grey ×.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
+
+from fedcore.report.figures import metric_label
+from fedcore.report.plotting import (
+    add_notes, err, has_value, mark_empty, missing_note, new_figure, run_value, set_caption,
+)
+from fedcore.report.tables import OK, cell_status, run_rows
+
+GFL_COLOR, PFL_COLOR, UNKNOWN_COLOR, OURS_COLOR = "tab:blue", "tab:orange", "tab:gray", "tab:red"
+MISSING_MARK = dict(marker="x", color="tab:gray", markersize=8, linestyle="none")
+
+
+def _label(fig_cfg: dict, method: str) -> str:
+    """A method's display label (config `labels`, filled from the report's labels and the variants')."""
+    return (fig_cfg.get("labels") or {}).get(method, method)
+
+
+def _axis_label(metric: str) -> str:
+    """Axis label of a windowed metric."""
+    return metric_label({"metric": metric})
+
+
+# ----------------------------------------------------------------------------------------------
+# Fig. 1: one point per method
+# ----------------------------------------------------------------------------------------------
+
+def scatter_points(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
+                   implemented: set[str]) -> pd.DataFrame:
+    """Per method: x, y (in %), their stds and the status (ok, or why there is no point)."""
+    rows = []
+    for m in fig_cfg["methods"]:
+        x = run_value(metrics, m, fig_cfg["experiment"], fig_cfg["x_metric"], experiments, scale, implemented)
+        y = run_value(metrics, m, fig_cfg["experiment"], fig_cfg["y_metric"], experiments, scale, implemented)
+        status = OK if has_value(x) and has_value(y) else (x["status"] if not has_value(x) else y["status"])
+        rows.append({"method": m, "x": x["ours"], "y": y["ours"], "x_std": err(x), "y_std": err(y),
+                     "n_seeds": min(x["n_seeds"], y["n_seeds"]), "status": status})
+    return pd.DataFrame(rows)
+
+
+def scatter_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
+                   implemented: set[str], personalized: dict[str, bool | None] | None = None) -> Figure:
+    """SGPT Fig. 1: x/y metrics of each method; the highlighted method a star, PFL squares, GFL circles."""
+    personalized = personalized or {}
+    fig, axes = new_figure(1, 1, panel=(6.0, 4.6))
+    ax = axes[0, 0]
+    points = scatter_points(metrics, fig_cfg, experiments, scale, implemented)
+    highlight = fig_cfg.get("highlight")
+    for p in points.loc[points["status"] == OK].itertuples():
+        kind = personalized.get(p.method)
+        if p.method == highlight:
+            style = dict(marker="*", s=300, color=OURS_COLOR, zorder=4)
+        else:
+            color = {True: PFL_COLOR, False: GFL_COLOR}.get(kind, UNKNOWN_COLOR)
+            style = dict(marker={True: "s", False: "o"}.get(kind, "D"), s=60, color=color, zorder=3)
+        if p.x_std or p.y_std:
+            ax.errorbar(p.x, p.y, xerr=p.x_std, yerr=p.y_std, fmt="none", ecolor=style["color"], alpha=0.5)
+        ax.scatter([p.x], [p.y], edgecolors="black", linewidths=0.5, **style)
+        ax.annotate(_label(fig_cfg, p.method), (p.x, p.y), xytext=(5, 4), textcoords="offset points", fontsize="small")
+    paper = fig_cfg.get("paper") or {}
+    if scale == "paper" and paper:
+        # at mini the paper's numbers are a layout reference only and would set the axis range
+        xy = np.array([paper[m] for m in fig_cfg["methods"] if m in paper], dtype=float)
+        ax.scatter(xy[:, 0], xy[:, 1], marker="o", s=50, facecolors="none", edgecolors="black", alpha=0.6, zorder=2)
+        for p in points.loc[points["status"] == OK].itertuples():  # dotted: our point -> the paper's
+            if p.method in paper:
+                ax.plot([p.x, paper[p.method][0]], [p.y, paper[p.method][1]], ":", color="gray", linewidth=0.8)
+    if not (points["status"] == OK).any():
+        mark_empty(ax, "no runs")
+    ax.set_xlabel(_axis_label(fig_cfg["x_metric"]))
+    ax.set_ylabel(_axis_label(fig_cfg["y_metric"]))
+    ax.grid(True, alpha=0.3)
+    handles = [Line2D([], [], marker="o", color=GFL_COLOR, ls="none", label="GFL (one global model)"),
+               Line2D([], [], marker="s", color=PFL_COLOR, ls="none", label="PFL (personalised models)")]
+    if highlight:
+        handles.append(Line2D([], [], marker="*", color=OURS_COLOR, markersize=14, ls="none",
+                              label=_label(fig_cfg, highlight)))
+    if scale == "paper" and paper:
+        handles.append(Line2D([], [], marker="o", markerfacecolor="none", color="black", ls="none", label="paper"))
+    ax.legend(handles=handles, fontsize="small", loc="lower right")
+    missing = [(_label(fig_cfg, p.method), p.status) for p in points.itertuples() if p.status != OK]
+    add_notes(fig, missing_note("Not drawn", missing))
+    set_caption(fig, fig_cfg.get("caption", ""))
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# Fig. 3: per-group selection counts of one client over the rounds
+# ----------------------------------------------------------------------------------------------
+
+SELECT_PREFIX = "select_g"
+
+
+def selection_stats(metrics: pd.DataFrame, experiment: str, exp_cfg: dict, method: str, client: int, scale: str,
+                    implemented: set[str]) -> tuple[pd.DataFrame | None, dict[str, Any]]:
+    """Per group: mean and std (ddof=1) over rounds of the client's selection count, for the lowest seed.
+
+    Returns (stats with columns group, mean, std; or None) and info {status, seed, rounds}.
+    """
+    run = run_rows(metrics, experiment, exp_cfg, method, scale)
+    rows = run.loc[(run["split"] == "train") & (run["client"] == client)
+                   & run["metric"].str.startswith(SELECT_PREFIX)]
+    status = cell_status(method, exp_cfg, run, rows, implemented)
+    if status != OK:
+        return None, {"status": status, "seed": None, "rounds": 0}
+    seed = int(rows["seed"].min())  # "one example client": one run, not a pool over partitions
+    rows = rows.loc[rows["seed"] == seed]
+    wide = rows.pivot_table(index="round", columns="metric", values="value", aggfunc="first")
+    stats = pd.DataFrame({"group": [int(c[len(SELECT_PREFIX):]) for c in wide.columns],
+                          "mean": wide.mean(axis=0).to_numpy(), "std": wide.std(axis=0, ddof=1).to_numpy()})
+    return stats.sort_values("group").reset_index(drop=True), {"status": OK, "seed": seed, "rounds": len(wide)}
+
+
+def selection_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
+                     implemented: set[str]) -> Figure:
+    """SGPT Fig. 3: one panel per run, bars = mean selections per group over rounds, error bars = std."""
+    panels = fig_cfg["panels"]
+    client = int(fig_cfg.get("client", 0))
+    exp = fig_cfg["experiment"]
+    fig, axes = new_figure(1, len(panels), panel=(5.0, 3.6), sharey=True)
+    missing = []
+    for ax, panel, color in zip(axes[0], panels, ("tab:orange", "tab:blue", "tab:green", "tab:purple")):
+        label = _label(fig_cfg, panel["method"])
+        stats, info = selection_stats(metrics, exp, experiments[exp], panel["method"], client, scale, implemented)
+        if stats is None:
+            ax.set_title(f"{panel['label']}\n{label}")
+            mark_empty(ax, f"no selection counts\n({info['status']})")
+            missing.append((f"{panel['label']}: {label}", info["status"]))
+            continue
+        yerr = stats["std"].fillna(0.0).to_numpy()
+        ax.bar(stats["group"], stats["mean"], yerr=yerr, capsize=3, color=color, edgecolor="black", linewidth=0.5)
+        mean_std = float(stats["std"].mean()) if stats["std"].notna().any() else math.nan
+        ax.set_title(f"{panel['label']}\n{label}: client {client}, seed {info['seed']}, {info['rounds']} rounds")
+        ax.text(0.98, 0.96, f"mean std = {mean_std:.1f}", transform=ax.transAxes, ha="right", va="top",
+                fontsize="small")
+        ax.set_xlabel("group g")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0, 0].set_ylabel("selections per round (train samples)")
+    add_notes(fig, missing_note("Not drawn", missing))
+    set_caption(fig, fig_cfg.get("caption", ""))
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# Figs. 4 and 6b: windowed metrics of runs that differ in one setting
+# ----------------------------------------------------------------------------------------------
+
+def sweep_points(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
+                 implemented: set[str]) -> pd.DataFrame:
+    """One row per (series, setting): value, method, y (in %), std, n_seeds and status."""
+    rows = []
+    for i, series in enumerate(fig_cfg["series"]):
+        for p in sorted(series["points"], key=lambda q: q["value"]):
+            cell = run_value(metrics, p["method"], fig_cfg["experiment"], series["metric"], experiments, scale,
+                             implemented)
+            rows.append({"series": i, "value": float(p["value"]), "method": p["method"], "y": cell["ours"],
+                         "std": err(cell), "n_seeds": cell["n_seeds"],
+                         "status": OK if has_value(cell) else cell["status"]})
+    return pd.DataFrame(rows, columns=["series", "value", "method", "y", "std", "n_seeds", "status"])
+
+
+def best_baselines(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
+                   implemented: set[str]) -> dict[str, tuple[str, float] | None]:
+    """Per series metric: (method, value in %) of the best baseline with a number, or None."""
+    out: dict[str, tuple[str, float] | None] = {}
+    for metric in dict.fromkeys(s["metric"] for s in fig_cfg["series"]):
+        best = None
+        for m in fig_cfg.get("baselines", []):
+            cell = run_value(metrics, m, fig_cfg["experiment"], metric, experiments, scale, implemented)
+            if has_value(cell) and (best is None or cell["ours"] > best[1]):
+                best = (m, float(cell["ours"]))
+        out[metric] = best
+    return out
+
+
+def sweep_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
+                 implemented: set[str]) -> Figure:
+    """SGPT Figs. 4/6b: one line per series over the swept setting; optional reference and best-baseline lines."""
+    on_y = fig_cfg.get("param_axis", "x") == "y"
+    fig, axes = new_figure(1, 1, panel=(6.0, 4.4))
+    ax = axes[0, 0]
+    points = sweep_points(metrics, fig_cfg, experiments, scale, implemented)
+    # grey × at a missing setting, on the accuracy axis' lower edge
+    edge = ax.get_yaxis_transform() if on_y else ax.get_xaxis_transform()
+    missing, no_baseline = [], []
+    for i, series in enumerate(fig_cfg["series"]):
+        color = series.get("color", f"C{i}")
+        pts = points.loc[points["series"] == i]
+        ok = pts.loc[pts["status"] == OK]
+        if len(ok):
+            acc, val = ok["y"].to_numpy(dtype=float), ok["value"].to_numpy(dtype=float)
+            xs, ys = (acc, val) if on_y else (val, acc)
+            err_kw = {"xerr" if on_y else "yerr": ok["std"].to_numpy(dtype=float)}
+            ax.errorbar(xs, ys, **err_kw, marker="o", color=color, capsize=3, label=series["label"])
+        for p in pts.loc[pts["status"] != OK].itertuples():
+            ax.plot(*((0.02, p.value) if on_y else (p.value, 0.02)), transform=edge, **MISSING_MARK)
+            missing.append((f"{series['label']} at {p.value:g} ({_label(fig_cfg, p.method)})", p.status))
+        if scale == "paper" and series.get("paper"):
+            for pp in series["paper"]:
+                xy = (pp["y"], pp["value"]) if on_y else (pp["value"], pp["y"])
+                ax.scatter(*xy, marker="D", s=60, facecolors="none", edgecolors=color, zorder=4,
+                           label=f"paper: {series['label']}")
+    if fig_cfg.get("reference") is not None:
+        line = ax.axhline if on_y else ax.axvline
+        line(fig_cfg["reference"], color="black", linestyle="--", linewidth=1,
+             label=f"{fig_cfg['param_label']} = {fig_cfg['reference']:g}")
+    if fig_cfg.get("baselines"):
+        colors = {s["metric"]: s.get("color", f"C{i}") for i, s in enumerate(fig_cfg["series"])}
+        for metric, best in best_baselines(metrics, fig_cfg, experiments, scale, implemented).items():
+            if best is None:
+                no_baseline.append((f"best-baseline line for {_axis_label(metric)}", "no baseline run has a number"))
+                continue
+            line = ax.axvline if on_y else ax.axhline
+            line(best[1], color=colors[metric], linestyle="--", linewidth=1, alpha=0.8,
+                 label=f"best baseline, {metric_label({'metric': metric}).removesuffix(' (%)')}: "
+                       f"{_label(fig_cfg, best[0])} {best[1]:.2f}")
+    if not (points["status"] == OK).any():
+        mark_empty(ax, "no runs")
+    acc_label = (_axis_label(fig_cfg["series"][0]["metric"]) if len({s["metric"] for s in fig_cfg["series"]}) == 1
+                 else "accuracy (%)")
+    ax.set_xlabel(acc_label if on_y else fig_cfg["param_label"])
+    ax.set_ylabel(fig_cfg["param_label"] if on_y else acc_label)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    add_notes(fig, missing_note("Missing (grey ×)", missing) + missing_note("Not drawn", no_baseline))
+    set_caption(fig, fig_cfg.get("caption", ""))
+    return fig
+

@@ -1,0 +1,169 @@
+"""Paper figures drawn from probe outputs and partitions: t-SNE maps (SGPT Fig. 5), congruence vs. key
+momentum (Fig. 6a) and per-class client sample counts (Fig. 7). Missing values are listed under the plot."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from fedcore.report.plotting import add_notes, mark_empty, missing_note, new_figure, set_caption
+
+OK = "ok"
+MISSING_MARK = dict(marker="x", color="tab:gray", markersize=8, linestyle="none")
+
+
+def _class_colors(n: int) -> list[tuple]:
+    """n colours, neighbouring classes always distinct (tab10/tab20, cycled beyond 20 classes)."""
+    cmap = colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Fig. 5: t-SNE maps
+# ----------------------------------------------------------------------------------------------
+
+def tsne_figure(data: dict[str, Any], fig_cfg: dict) -> Figure:
+    """One panel per configured block: the t-SNE map coloured by (coarse) class."""
+    blocks = [int(b) for b in fig_cfg["blocks"]]
+    ncols = min(len(blocks), 5)
+    nrows = math.ceil(len(blocks) / ncols)
+    fig, axes = new_figure(nrows, ncols, panel=(3.4, 3.4))
+    labels = np.asarray(data["labels"])
+    meta = data.get("meta", {})
+    n_classes = int(labels.max(initial=-1)) + 1
+    colors = _class_colors(max(n_classes, 1))
+    missing = []
+    for ax, b in zip(axes.ravel(), blocks):
+        ax.set_title(f"after block {b + 1} (index {b})", fontsize="medium")
+        emb = data["embeddings"].get(b)
+        if emb is None:
+            mark_empty(ax, "not computed")
+            missing.append((f"block index {b}", "not in the probe's output"))
+            continue
+        for c in range(n_classes):
+            sel = labels == c
+            ax.scatter(emb[sel, 0], emb[sel, 1], s=4, color=colors[c], alpha=0.8, linewidths=0)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    for ax in axes.ravel()[len(blocks):]:
+        ax.set_visible(False)
+    names = meta.get("label_names") or [str(c) for c in range(n_classes)]
+    kind = meta.get("label_kind", "coarse")
+    handles = [Patch(color=colors[c], label=names[c] if c < len(names) else str(c)) for c in range(n_classes)]
+    fig.legend(handles=handles, loc="outside right center", fontsize="x-small",
+               title=f"{kind} class", ncols=1 if n_classes <= 20 else 2)
+    drawn = meta.get("per_class_drawn") or []
+    short = [(names[c] if c < len(names) else str(c), f"{n} of {meta.get('per_class')} samples")
+             for c, n in enumerate(drawn) if meta.get("per_class") and n < meta["per_class"]]
+    add_notes(fig, missing_note("Not drawn", missing) + missing_note("Fewer samples than configured", short))
+    set_caption(fig, f"{fig_cfg.get('caption', '')}\n{meta.get('arch', '')}, {len(labels)} {meta.get('split', '')} "
+                     f"images, perplexity {meta.get('perplexity', '')}")
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# Fig. 6a: congruence vs. key momentum
+# ----------------------------------------------------------------------------------------------
+
+def congruence_summary(values: pd.DataFrame) -> pd.DataFrame:
+    """Per setting: mean and std (ddof=1) over run seeds of the congruence in %, seeds used, and status."""
+    rows = []
+    for value, grp in values.groupby("value", sort=True):
+        ok = grp.loc[grp["status"] == OK, "congruence"].astype(float) * 100.0
+        status = OK if len(ok) else "; ".join(sorted(set(grp["status"])))
+        rows.append({"value": float(value), "method": grp["method"].iloc[0], "mean": ok.mean() if len(ok) else math.nan,
+                     "std": ok.std(ddof=1) if len(ok) > 1 else math.nan, "n_seeds": len(ok), "status": status})
+    return pd.DataFrame(rows, columns=["value", "method", "mean", "std", "n_seeds", "status"])
+
+
+def congruence_figure(values: pd.DataFrame, fig_cfg: dict, scale: str) -> Figure:
+    """SGPT Fig. 6a: congruence score (%) against the swept setting, with the paper's point at paper scale."""
+    fig, axes = new_figure(1, 1, panel=(5.6, 4.0))
+    ax = axes[0, 0]
+    summary = congruence_summary(values)
+    ok = summary.loc[summary["status"] == OK]
+    if len(ok):
+        ax.errorbar(ok["value"].to_numpy(dtype=float), ok["mean"].to_numpy(dtype=float),
+                    yerr=ok["std"].fillna(0.0).to_numpy(dtype=float), marker="o", capsize=3, color="tab:blue",
+                    label="ours")
+    else:
+        mark_empty(ax, "no runs")
+    labels = fig_cfg.get("labels") or {}
+    missing = []
+    for p in summary.loc[summary["status"] != OK].itertuples():
+        ax.plot(p.value, 0.02, transform=ax.get_xaxis_transform(), **MISSING_MARK)
+        missing.append((f"{p.value:g} ({labels.get(p.method, p.method)})", p.status))
+    # seeds that failed beside seeds that worked are also said, not averaged away
+    partial = values.loc[(values["status"] != OK) & values["value"].isin(ok["value"])]
+    missing += [(f"{r.value:g} ({labels.get(r.method, r.method)}) seed {r.seed}", r.status) for r in partial.itertuples()]
+    if scale == "paper" and fig_cfg.get("paper"):
+        pp = fig_cfg["paper"]
+        ax.scatter([p["value"] for p in pp], [p["y"] for p in pp], marker="D", s=60, facecolors="none",
+                   edgecolors="black", zorder=4, label="paper")
+    ref = values.loc[values["status"] == OK]
+    subtitle = ""
+    if len(values):
+        q = values["q_kmeans"].dropna()
+        subtitle = (f"K-Means K={int(values['k'].iloc[0])} on train Select queries; Q_kmeans = "
+                    f"{q.iloc[0]:.3f} ({values['labels'].iloc[0]} labels)" if len(q) else
+                    f"K-Means K={int(values['k'].iloc[0])} on train Select queries")
+    ax.set_title(subtitle, fontsize="small")
+    ax.set_xlabel(fig_cfg["param_label"])
+    ax.set_ylabel("congruence score (%)")
+    ax.grid(True, alpha=0.3)
+    if len(ref) or (scale == "paper" and fig_cfg.get("paper")):
+        ax.legend(fontsize="small")
+    add_notes(fig, missing_note("Missing (grey ×)", missing))
+    set_caption(fig, fig_cfg.get("caption", ""))
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# Fig. 7: per-class sample counts of some clients
+# ----------------------------------------------------------------------------------------------
+
+def partition_figure(counts: pd.DataFrame, fig_cfg: dict, seed: int | None = None) -> Figure:
+    """SGPT Fig. 7: per panel, `per_panel` clients' per-class counts; colour = class, hatch = client."""
+    split = fig_cfg.get("split", "train")
+    clients = [int(c) for c in fig_cfg["clients"]]
+    per_panel = int(fig_cfg.get("per_panel", 2))
+    groups = [clients[i:i + per_panel] for i in range(0, len(clients), per_panel)]
+    counts = counts.loc[counts["split"] == split]
+    n_classes = int(counts["class"].max()) + 1 if len(counts) else 0
+    colors = _class_colors(max(n_classes, 1))
+    fig, axes = new_figure(len(groups), 1, panel=(9.0, 2.8))
+    hatches = ["", "///", "..", "xx"]
+    width = 0.9 / per_panel
+    missing = []
+    for ax, group in zip(axes[:, 0], groups):
+        handles = []
+        for j, client in enumerate(group):
+            rows = counts.loc[counts["client"] == client]
+            if rows.empty:
+                missing.append((f"client {client}", "not in the partition"))
+                continue
+            offset = (j - (len(group) - 1) / 2) * width
+            ax.bar(rows["class"] + offset, rows["count"], width=width, color=[colors[c] for c in rows["class"]],
+                   hatch=hatches[j % len(hatches)], edgecolor="black", linewidth=0.4)
+            if len(rows) <= 20:  # few bars: name their classes, since colours repeat over 100 classes
+                for c, n in zip(rows["class"], rows["count"]):
+                    ax.text(c + offset, n, str(c), ha="center", va="bottom", fontsize=6)
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch=hatches[j % len(hatches)],
+                                 label=f"client {client}: {int(rows['count'].sum())} samples, {len(rows)} classes"))
+        if handles:
+            ax.legend(handles=handles, fontsize="small", loc="upper right")
+        else:
+            mark_empty(ax, "no such clients")
+        ax.set_xlim(-1, max(n_classes, 1))
+        ax.set_ylabel(f"{split} samples")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[-1, 0].set_xlabel("class")
+    add_notes(fig, missing_note("Not drawn", missing))
+    seed_text = "" if seed is None else f" (partition seed {seed})"
+    set_caption(fig, f"{fig_cfg.get('caption', '')}{seed_text}")
+    return fig

@@ -1,0 +1,105 @@
+"""Helpers shared by the paper figures: a blank figure, visible notes on what is missing, atomic PNG + PDF."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from fedcore.io import atomic_path
+from fedcore.report.tables import OK, build_cell
+
+PNG_DPI = 150
+NOTE_COLOR = "tab:red"
+NOTE_LINE_IN = 0.17  # inches per line of note text under the panels
+
+
+def new_figure(nrows: int, ncols: int, panel: tuple[float, float] = (4.5, 3.4), **subplot_kw: Any) -> tuple[Figure, np.ndarray]:
+    """A constrained-layout Agg figure (no pyplot global state) and its axes as a 2-D array."""
+    fig = Figure(figsize=(panel[0] * ncols, panel[1] * nrows + 0.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False, **subplot_kw)
+    return fig, axes
+
+
+def add_notes(fig: Figure, notes: list[str]) -> None:
+    """Print `notes` (what is missing, and why) under the panels, in red, reserving room so nothing overlaps."""
+    if not notes:
+        return
+    width = max(40, int(fig.get_figwidth() * 72 / 5.6))  # characters per line at the 'small' font size
+    lines = [wrapped for note in notes for wrapped in textwrap.wrap(note, width=width)]
+    height = fig.get_figheight()
+    extra = NOTE_LINE_IN * len(lines) + 0.1
+    fig.set_figheight(height + extra)
+    frac = extra / (height + extra)
+    fig.get_layout_engine().set(rect=(0.0, frac, 1.0, 1.0 - frac))
+    fig.text(0.01, 0.01, "\n".join(lines), ha="left", va="bottom", fontsize="small", color=NOTE_COLOR)
+
+
+def set_caption(fig: Figure, caption: str) -> None:
+    """The figure's caption as its title, wrapped to the figure's width so that it is never cut off."""
+    width = max(40, int(fig.get_figwidth() * 72 / 6.5))  # characters per line at the 'medium' font size
+    lines = [w for part in caption.split("\n") for w in (textwrap.wrap(part, width=width) or [""])]
+    fig.suptitle("\n".join(lines), fontsize="medium")
+
+
+def figure_notes(fig: Figure) -> str:
+    """All figure-level text (notes, titles) with line wrapping undone, for tests and logs."""
+    return " ".join(" ".join(t.get_text().split()) for t in fig.texts)
+
+
+def mark_empty(ax, text: str) -> None:
+    """A panel with nothing to draw says so in large text instead of disappearing."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=12, color=NOTE_COLOR,
+            wrap=True)
+    # per-axes tick switches: set_xticks([]) would also strip the ticks of axes sharing this one's axis
+    ax.tick_params(left=False, bottom=False, labelleft=False, labelbottom=False)
+
+
+def missing_note(what: str, items: list[tuple[str, str]]) -> list[str]:
+    """One note listing items (label, reason) that are not drawn; empty list when none."""
+    if not items:
+        return []
+    return [f"{what}: " + "; ".join(f"{label} ({reason})" for label, reason in items)]
+
+
+def save_figure(fig: Figure, out_png: str | os.PathLike, out_pdf: str | os.PathLike) -> None:
+    """Write PNG (dpi 150) and PDF, both renamed into place only if both renders succeed."""
+    with contextlib.ExitStack() as stack:
+        png = stack.enter_context(atomic_path(Path(out_png)))
+        pdf = stack.enter_context(atomic_path(Path(out_pdf)))
+        fig.savefig(png, format="png", dpi=PNG_DPI, metadata={"Software": None})
+        # no creation date, so reruns on the same data give the same bytes
+        fig.savefig(pdf, format="pdf", metadata={"CreationDate": None, "Producer": None})
+
+
+def run_value(metrics: pd.DataFrame, method: str, experiment: str, metric: str, experiments: dict[str, dict],
+              scale: str, implemented: set[str]) -> dict[str, Any]:
+    """One run's windowed metric in % (mean ± std over seeds) with its status, exactly as a table cell."""
+    if experiment not in experiments:
+        raise ValueError(f"unknown experiment {experiment!r}; known: {sorted(experiments)}")
+    return build_cell(metrics, method, {"experiment": experiment, "metric": metric, "label": method},
+                      experiments[experiment], scale, implemented)
+
+
+def has_value(cell: dict[str, Any]) -> bool:
+    """Whether a run_value cell holds a number."""
+    return cell["status"] == OK and not math.isnan(cell["ours"])
+
+
+def err(cell: dict[str, Any]) -> float:
+    """The std to draw as an error bar (0 when there is one seed)."""
+    std = cell["ours_std"]
+    return 0.0 if std is None or math.isnan(std) else float(std)
+
+
+def select_scale(metrics: pd.DataFrame, scale: str) -> pd.DataFrame:
+    """Only this scale's rows."""
+    return metrics.loc[metrics["scale"] == scale]

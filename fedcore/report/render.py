@@ -1,0 +1,112 @@
+"""One entry point per output kind for the workflow scripts: pick the builder by the config's `kind`.
+
+Each table or figure kind reads one named input (rules/report.smk declares it, so Snakemake reruns the
+output when it changes):
+
+    metrics     results/metrics.parquet      tables of kind metrics; figures accuracy_per_round, scatter,
+                                             selection_counts, sweep
+    counts      probe param_counts CSV        tables of kind param_count (SGPT Table 5)
+    embedding   probe tsne .npz               figure tsne (Fig. 5)
+    values      probe congruence CSV          figure congruence (Fig. 6a)
+    partition   a partition's counts CSV      figure partition_counts (Fig. 7)
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+FIGURE_INPUT: dict[str, str] = {
+    "accuracy_per_round": "metrics", "scatter": "metrics", "selection_counts": "metrics", "sweep": "metrics",
+    "tsne": "embedding", "congruence": "values", "partition_counts": "partition",
+}
+TABLE_INPUT: dict[str, str] = {"metrics": "metrics", "param_count": "counts"}
+
+
+def figure_input(fig_cfg: dict) -> str:
+    """The name of the one data input a figure kind reads."""
+    kind = fig_cfg["kind"]
+    if kind not in FIGURE_INPUT:
+        raise ValueError(f"unknown figure kind {kind!r}; expected one of {sorted(FIGURE_INPUT)}")
+    return FIGURE_INPUT[kind]
+
+
+def table_input(table_cfg: dict) -> str:
+    """The name of the one data input a table kind reads."""
+    kind = table_cfg.get("kind", "metrics")
+    if kind not in TABLE_INPUT:
+        raise ValueError(f"unknown table kind {kind!r}; expected one of {sorted(TABLE_INPUT)}")
+    return TABLE_INPUT[kind]
+
+
+def build_figure(fig_cfg: dict, path: str | os.PathLike, context: Mapping[str, Any]) -> Figure:
+    """The figure of `fig_cfg` from its data file `path`.
+
+    context: scale, experiments (Resolved.report_view()), implemented (methods and variants with code),
+    personalized (method -> bool|None, for the scatter), seed (the partition seed, for partition_counts).
+    """
+    kind = fig_cfg["kind"]
+    scale = context["scale"]
+    experiments = context.get("experiments") or {}
+    implemented = set(context.get("implemented") or [])
+    if figure_input(fig_cfg) == "metrics":
+        metrics = pd.read_parquet(path)
+        if kind == "accuracy_per_round":
+            from fedcore.report.figures import make_figure
+
+            return make_figure(metrics, fig_cfg, scale=scale, experiments=experiments)
+        from fedcore.report import fig_metrics
+
+        if kind == "scatter":
+            return fig_metrics.scatter_figure(metrics, fig_cfg, experiments, scale, implemented,
+                                              context.get("personalized"))
+        if kind == "selection_counts":
+            return fig_metrics.selection_figure(metrics, fig_cfg, experiments, scale, implemented)
+        return fig_metrics.sweep_figure(metrics, fig_cfg, experiments, scale, implemented)
+    from fedcore.report import fig_probes
+
+    if kind == "tsne":
+        from fedcore.analysis.tsne import read_tsne
+
+        return fig_probes.tsne_figure(read_tsne(path), fig_cfg)
+    if kind == "congruence":
+        return fig_probes.congruence_figure(pd.read_csv(path), fig_cfg, scale)
+    return fig_probes.partition_figure(pd.read_csv(path), fig_cfg, context.get("seed"))
+
+
+def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.PathLike, out_pdf: str | os.PathLike,
+                  context: Mapping[str, Any]) -> None:
+    """Build the figure from its named input and write PNG and PDF atomically."""
+    from fedcore.report.plotting import save_figure
+
+    save_figure(build_figure(fig_cfg, inputs[figure_input(fig_cfg)], context), out_png, out_pdf)
+
+
+def render_table(table_cfg: dict, inputs: Mapping[str, Any], out_md: str | os.PathLike, out_tex: str | os.PathLike,
+                 out_csv: str | os.PathLike, context: Mapping[str, Any]) -> None:
+    """Build the table from its named input and write Markdown, LaTeX and CSV atomically."""
+    path = inputs[table_input(table_cfg)]
+    if table_cfg.get("kind", "metrics") == "param_count":
+        from fedcore.report.param_table import build_param_table, write_param_table
+
+        write_param_table(build_param_table(pd.read_csv(path), table_cfg), table_cfg, out_md, out_tex, out_csv)
+        return
+    from fedcore.report.tables import build_table, write_table
+
+    scale = context["scale"]
+    table = build_table(pd.read_parquet(path), table_cfg, context["experiments"], scale,
+                        set(context["implemented"]))
+    write_table(table, table_cfg, scale, out_md, out_tex, out_csv)
+
+
+def personalized_flags(methods: list[str], base_method) -> dict[str, bool | None]:
+    """Per method (or variant): whether its base method is personalised (PFL); None when it has no code yet."""
+    from fedcore.methods import METHODS, method_class, method_source
+
+    out: dict[str, bool | None] = {}
+    for m in methods:
+        base = base_method(m)
+        out[m] = bool(method_class(base).personalized) if base in METHODS and method_source(base).exists() else None
+    return out

@@ -1,0 +1,133 @@
+# Probes: analyses that are not training runs but feed SGPT's tables and figures (spec sgpt §6.0).
+# Each writes results/probes/<table or figure name>/..., read by the table/figure rule of that name.
+from fedcore.methods import METHODS as _METHODS, method_class as _method_class, method_source as _method_source
+
+ANALYSIS_CODE = [str(FEDCORE / "analysis" / f) for f in ("clustering.py", "congruence.py", "params.py", "tsne.py")]
+
+
+def _probe_cfg(name, kind):
+    """The figure (or table) `name`, which must be of `kind`: a probe output exists only for that kind."""
+    entry = CFG.figures.get(name) or CFG.tables.get(name)
+    if entry is None or entry.get("kind") != kind:
+        raise ValueError(f"no {kind} figure or table named {name!r} in the report config")
+    return entry
+
+
+def congruence_points(name):
+    """One entry per (setting, seed): the run's final.pt when the experiment runs that method, else why not."""
+    fig = _probe_cfg(name, "congruence")
+    exp = fig["experiment"]
+    configured = CFG.experiments[exp]["methods"]
+    out = []
+    for p in fig["points"]:
+        for seed in CFG.seeds:
+            entry = {"value": p["value"], "method": p["method"], "seed": seed}
+            if p["method"] in configured:
+                entry["path"] = f"{run_dir(exp, p['method'], seed)}/final.pt"
+            else:
+                entry["status"] = "not configured"
+            out.append(entry)
+    return out
+
+
+def congruence_inputs(wildcards):
+    fig = _probe_cfg(wildcards.name, "congruence")
+    exp = fig["experiment"]
+    files = {select_queries_file(exp, p["method"]) for p in fig["points"]} - {None}
+    if len(files) != 1:
+        raise ValueError(f"figure {wildcards.name}: the swept runs must share one Select-queries file, got {sorted(files)}")
+    return {
+        "queries": files.pop(),
+        "dataset": dataset_file(CFG.experiments[exp]["dataset"]),
+        "runs": [p["path"] for p in congruence_points(wildcards.name) if "path" in p],
+        "code": ANALYSIS_CODE,
+    }
+
+
+def congruence_groups(wildcards):
+    """K of the reference K-Means = G of the swept runs (they must agree)."""
+    fig = _probe_cfg(wildcards.name, "congruence")
+    exp = fig["experiment"]
+    groups = set()
+    for p in fig["points"]:
+        base = CFG.base_method(p["method"])
+        groups.add(int(CFG.method_params(exp, p["method"]).get("groups", _method_class(base).defaults.get("groups"))))
+    if len(groups) != 1:
+        raise ValueError(f"figure {wildcards.name}: the swept runs use different numbers of groups {sorted(groups)}")
+    return groups.pop()
+
+
+def param_count_inputs(wildcards):
+    """The code of every method a column builds: an edit of a method's model changes its count."""
+    code = set(ANALYSIS_CODE) | {str(FEDCORE / "methods" / "base.py"), str(FEDCORE / "backbones" / "prompted.py")}
+    for model in CFG.param_count_models(wildcards.name):
+        if model["source"] == "method" and model["base"] in _METHODS and _method_source(model["base"]).exists():
+            code.add(str(FEDCORE / "methods" / _method_source(model["base"]).name))
+    return {"code": sorted(code)}
+
+
+def tsne_inputs(wildcards):
+    exp = CFG.experiments[_probe_cfg(wildcards.name, "tsne")["experiment"]]
+    return {
+        "dataset": dataset_file(exp["dataset"]),
+        "backbone": backbone_file(exp["backbone"]),
+        "code": ANALYSIS_CODE + [str(FEDCORE / "features.py")],
+    }
+
+
+rule param_counts:
+    input:
+        unpack(param_count_inputs),
+    output:
+        f"{RESULTS}/probes/{{name}}/param_counts.csv",
+    params:
+        models=lambda wc: CFG.param_count_models(wc.name),
+        threads=CFG.top["threads_per_run"],
+    log:
+        f"{RESULTS}/logs/probes/{{name}}/param_counts.log",
+    resources:
+        runtime=10,
+        mem_mb=4000,
+    script:
+        "../workflow/scripts/probe_param_counts.py"
+
+
+rule tsne_embedding:
+    input:
+        unpack(tsne_inputs),
+    output:
+        f"{RESULTS}/probes/{{name}}/tsne.npz",
+    params:
+        figure=lambda wc: _probe_cfg(wc.name, "tsne"),
+        arch=lambda wc: CFG.backbones[CFG.experiments[_probe_cfg(wc.name, "tsne")["experiment"]]["backbone"]]["arch"],
+        device=CFG.top["device"],
+        threads=CFG.top["threads_per_run"],
+    log:
+        f"{RESULTS}/logs/probes/{{name}}/tsne.log",
+    threads: 1
+    resources:
+        gpu=1 if SCALE == "paper" else 0,
+        runtime=60 if SCALE == "paper" else 5,
+        mem_mb=16000 if SCALE == "paper" else 2000,
+    script:
+        "../workflow/scripts/probe_tsne.py"
+
+
+rule congruence:
+    input:
+        unpack(congruence_inputs),
+    output:
+        f"{RESULTS}/probes/{{name}}/congruence.csv",
+    params:
+        points=lambda wc: congruence_points(wc.name),
+        k=congruence_groups,
+        seed=lambda wc: int(_probe_cfg(wc.name, "congruence").get("seed", 0)),
+        threads=CFG.top["threads_per_run"],
+    log:
+        f"{RESULTS}/logs/probes/{{name}}/congruence.log",
+    threads: 1
+    resources:
+        runtime=60 if SCALE == "paper" else 5,
+        mem_mb=16000 if SCALE == "paper" else 2000,
+    script:
+        "../workflow/scripts/probe_congruence.py"

@@ -1,0 +1,181 @@
+"""SGPT Tables 2-4 and the report configuration: layouts, paper numbers, labels, scale overrides, errors."""
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from fedcore.config import ConfigError, load_config
+from fedcore.report.tables import MISSING_RUN, OK, build_table, render_latex, render_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def mini():
+    return load_config(DEFAULT, ROOT)
+
+
+@pytest.fixture(scope="module")
+def paper():
+    return load_config({**DEFAULT, "scale": "paper"}, ROOT)
+
+
+def metric_rows(experiment: str, method: str, values: dict[tuple[int, str, str], float], rounds: int = 10,
+                scale: str = "mini", seed: int = 0) -> pd.DataFrame:
+    """Constant values per round for keys (client, split, metric)."""
+    rows = [{"paper": "sgpt", "experiment": experiment, "method": method, "scale": scale, "dataset": "d",
+             "seed": seed, "round": r, "client": c, "split": s, "metric": m, "value": v}
+            for r in range(1, rounds + 1) for (c, s, m), v in values.items()]
+    return pd.DataFrame(rows).astype({"seed": "int64", "round": "int64", "client": "int64", "value": "float64"})
+
+
+# ----------------------------------------------------------------------------------------------
+# The report config as resolved
+# ----------------------------------------------------------------------------------------------
+
+def test_every_paper_table_and_figure_is_configured(mini):
+    assert set(mini.tables) == {f"sgpt_table{i}" for i in range(1, 6)}
+    assert set(mini.figures) == {"sgpt_accuracy_per_round", "sgpt_fig1", "sgpt_fig3", "sgpt_fig4", "sgpt_fig5",
+                                 "sgpt_fig6a", "sgpt_fig6b", "sgpt_fig7"}
+    assert mini.tables["sgpt_table1"]["rows"] == ["head_tune", "fedvpt", "fedvpt_d", "fedmix", "pfedpg", "fedem",
+                                                  "fedpr", "sgpt"]
+    assert mini.tables["sgpt_table1"]["paper"]["sgpt"][1] == 84.64
+
+
+def test_table2_columns_are_domains_then_average(mini):
+    cols = mini.tables["sgpt_table2"]["columns"]
+    assert [c.get("client") for c in cols[:5]] == [0, 1, 2, 3, None] and cols[4]["metric"] == "local_acc"
+    assert [c["label"] for c in cols[5:]] == ["DN C", "DN I", "DN P", "DN Q", "DN R", "DN S", "DN Avg."]
+    assert mini.tables["sgpt_table2"]["paper"]["sgpt"][-1] == 80.48
+
+
+def test_row_labels_from_report_then_variants(mini):
+    t1 = mini.tables["sgpt_table1"]["row_labels"]
+    assert t1["fedvpt_d"] == "FedVPT-D" and t1["sgpt"] == "SGPT (ours)"
+    assert mini.tables["sgpt_table4"]["row_labels"]["sgpt_qg"] == "w/ q_g"  # the table's own label wins
+    assert mini.figures["sgpt_fig6a"]["labels"]["sgpt_ak0p3"] == mini.variants["sgpt_ak0p3"]["label"]
+
+
+def test_implemented_counts_variants(mini):
+    implemented = set(mini.implemented_methods())
+    assert {"sgpt", "sgpt_qg", "sgpt_share_only"} <= implemented
+
+
+def test_scale_overrides_fig4_and_fig5(mini, paper):
+    def points(cfg):
+        return [[p["value"] for p in s["points"]] for s in cfg.figures["sgpt_fig4"]["series"]]
+
+    assert points(mini) == [[0, 1, 2, 3], [1, 2, 3]]
+    assert points(paper) == [list(range(12)), list(range(4, 12))]
+    assert mini.figures["sgpt_fig5"]["blocks"] == [0, 1, 2, 3] and paper.figures["sgpt_fig5"]["blocks"] == [0, 2, 5, 8, 11]
+    assert paper.figures["sgpt_fig5"]["per_class"] == 100
+
+
+def test_param_models_use_paper_scale_params_at_every_scale(mini):
+    models = mini.param_count_models("sgpt_table5")
+    assert [m["source"] for m in models] == ["torchvision", "torchvision", "timm", "method"]
+    sgpt = models[3]
+    assert sgpt["arch"] == "vit_base_patch16_224" and sgpt["params"]["groups"] == 20
+    assert sgpt["params"]["group_blocks"] == [4, 5, 6]  # sgpt_c100_s10 at paper scale, not vit_mini's
+
+
+def _copy(tmp_path: Path) -> Path:
+    shutil.copytree(ROOT / "config", tmp_path / "config")
+    return tmp_path
+
+
+def _edit(path: Path, edit) -> None:
+    doc = yaml.safe_load(path.read_text())
+    edit(doc)
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+
+
+def test_unknown_override_name_is_an_error(tmp_path: Path):
+    root = _copy(tmp_path)
+    _edit(root / "config" / "scales" / "mini.yaml", lambda d: d["figures"].update(sgpt_fig99={"blocks": [0]}))
+    with pytest.raises(ConfigError, match=r"mini.yaml at figures: 'sgpt_fig99' is not one of"):
+        load_config(DEFAULT, root)
+
+
+def test_bad_override_value_is_validated(tmp_path: Path):
+    root = _copy(tmp_path)
+    _edit(root / "config" / "scales" / "mini.yaml", lambda d: d["figures"]["sgpt_fig5"].update(per_class="many"))
+    with pytest.raises(ConfigError, match=r"figure sgpt_fig5\) after .*mini.yaml at per_class"):
+        load_config(DEFAULT, root)
+
+
+def test_figure_method_typo_is_an_error(tmp_path: Path):
+    root = _copy(tmp_path)
+    _edit(root / "config" / "reports" / "sgpt.yaml",
+          lambda d: d["figures"]["sgpt_fig3"]["panels"].append({"label": "(c)", "method": "sgtp"}))
+    with pytest.raises(ConfigError, match=r"'sgtp' is not one of"):
+        load_config(DEFAULT, root)
+
+
+def test_table_row_typo_and_attribute_length_are_errors(tmp_path: Path):
+    root = _copy(tmp_path)
+    path = root / "config" / "reports" / "sgpt.yaml"
+    original = path.read_text()
+    _edit(path, lambda d: d["tables"]["sgpt_table3"]["row_attributes"]["values"]["sgpt"].pop())
+    with pytest.raises(ConfigError, match=r"row_attributes.values.sgpt: 3 values for 4 columns"):
+        load_config(DEFAULT, root)
+    path.write_text(original)
+    _edit(path, lambda d: d["tables"]["sgpt_table4"]["rows"].append("sgpt_q"))
+    with pytest.raises(ConfigError, match=r"rows\[3\]: 'sgpt_q' is not one of"):
+        load_config(DEFAULT, root)
+
+
+def test_unknown_figure_kind_names_allowed_kinds(tmp_path: Path):
+    root = _copy(tmp_path)
+    _edit(root / "config" / "reports" / "sgpt.yaml", lambda d: d["figures"]["sgpt_fig7"].update(kind="pie"))
+    with pytest.raises(ConfigError, match=r"allowed values: \['accuracy_per_round', 'scatter'"):
+        load_config(DEFAULT, root)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables 2-4 from synthetic metrics
+# ----------------------------------------------------------------------------------------------
+
+def test_table2_client_columns_and_average(mini):
+    view = mini.report_view()
+    values = {(-1, "local", "acc_mean"): 0.9, **{(c, "local", "acc"): 0.8 + 0.05 * c for c in range(4)}}
+    metrics = metric_rows("sgpt_office", "sgpt", values, rounds=3)  # mini runs 10 rounds
+    table = build_table(metrics, mini.tables["sgpt_table2"], view, "mini", set(mini.implemented_methods()))
+    sgpt = table.loc[table["row"] == "sgpt"].set_index("column")
+    assert sgpt.loc["Off A", "ours"] == pytest.approx(80.0) and sgpt.loc["Off W", "ours"] == pytest.approx(95.0)
+    assert sgpt.loc["Off Avg.", "ours"] == pytest.approx(90.0) and sgpt.loc["Off Avg.", "paper"] == 97.72
+    assert sgpt.loc["DN C", "status"] == MISSING_RUN
+    # the run ends at round 3, before the experiment's configured rounds: marked incomplete (‡)
+    assert view["sgpt_office"]["rounds"] > 3 and bool(sgpt.loc["Off A", "incomplete"])
+
+
+def test_table3_checkmarks_and_table4_cluster_metric(mini):
+    view = mini.report_view()
+    impl = set(mini.implemented_methods())
+    metrics = pd.concat([
+        metric_rows("sgpt_c100_s10", "sgpt", {(-1, "global", "acc"): 0.8, (-1, "local", "acc_worst"): 0.7,
+                                              (-1, "global", "select_cluster_acc"): 0.55}),
+        metric_rows("sgpt_c100_s10", "sgpt_keys_fedavg", {(-1, "global", "acc"): 0.6,
+                                                          (-1, "global", "select_cluster_acc"): 0.2}),
+    ], ignore_index=True)
+    t3 = build_table(metrics, mini.tables["sgpt_table3"], view, "mini", impl)
+    md = render_markdown(t3, mini.tables["sgpt_table3"], "mini")
+    assert "| Method | Share | Group | BCD-Inv | BCD | Global: ours |" in md
+    assert "| Share only | ✓ |  |  |  | missing run |" in md
+    assert "| Share + Group, BCD (SGPT) | ✓ | ✓ |  | ✓ | **80.00** |" in md
+    tex = render_latex(t3, mini.tables["sgpt_table3"], "mini")
+    assert r"$\checkmark$" in tex and r"\cmidrule(lr){6-7}" in tex
+    t4 = build_table(metrics, mini.tables["sgpt_table4"], view, "mini", impl)
+    s10 = t4.loc[t4["column"] == "CIFAR-100 s=10"].set_index("row")
+    assert s10.loc["sgpt", "ours"] == pytest.approx(55.0) and s10.loc["sgpt", "paper"] == 56.62
+    assert s10.loc["sgpt_keys_fedavg", "ours"] == pytest.approx(20.0)
+    assert s10.loc["sgpt_qg", "status"] == MISSING_RUN and math.isnan(s10.loc["sgpt_qg", "ours"])
+    s50 = t4.loc[t4["column"] == "CIFAR-100 s=50"]
+    assert (s50["status"] == MISSING_RUN).all()
+    assert (t4.loc[t4["status"] == OK, "metric"] == "select_cluster_acc").all()

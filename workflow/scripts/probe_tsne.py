@@ -1,0 +1,13 @@
+"""snakemake -> fedcore.analysis.tsne.compute_tsne (SGPT Fig. 5)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir)))
+import _log  # noqa: E402
+
+from fedcore.analysis.tsne import compute_tsne  # noqa: E402
+
+_log.setup(snakemake)
+p = snakemake.params
+compute_tsne(snakemake.input.dataset, p.arch, snakemake.input.backbone, p.figure, snakemake.output[0], device=p.device,
+             threads=p.threads)
