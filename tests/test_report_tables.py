@@ -59,7 +59,7 @@ def test_row_labels_from_report_then_variants(mini):
     t1 = mini.tables["sgpt_table1"]["row_labels"]
     assert t1["fedvpt_d"] == "FedVPT-D" and t1["sgpt"] == "SGPT (ours)"
     assert mini.tables["sgpt_table4"]["row_labels"]["sgpt_qg"] == "w/ q_g"  # the table's own label wins
-    assert mini.figures["sgpt_fig6a"]["labels"]["sgpt_ak0p3"] == mini.variants["sgpt_ak0p3"]["label"]
+    assert mini.figures["sgpt_fig6a"]["labels"]["sgpt_ak0p9"] == mini.variants["sgpt_ak0p9"]["label"]
 
 
 def test_implemented_counts_variants(mini):
