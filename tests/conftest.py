@@ -58,3 +58,17 @@ def identity(method: str, seed: int = 0) -> dict:
     """A run identity for tests."""
     return {"paper": "sgpt", "experiment": "tiny", "method": method, "scale": "mini", "dataset": "synthetic",
             "seed": seed}
+
+
+@pytest.fixture(scope="session")
+def learnable_run_files(tiny_run_files, tmp_path_factory):
+    """``tiny_run_files`` with a vit_mini briefly pretrained on other blob images: a random-init vit_mini's
+    CLS feature is nearly constant, so no method gets above chance on it (shared by the methods' tests)."""
+    from fedcore.backbones.pretrain import pretrain_vit
+    from fedcore.data.arrays import DatasetBundle
+
+    pre = synthetic_bundle(n_train=240, n_test=8, seed=1)
+    out = tmp_path_factory.mktemp("pretrained") / "vit_mini.pt"
+    pretrain_vit(DatasetBundle(train=pre.train, test=pre.test, pretrain=pre.train, meta=pre.meta), epochs=10,
+                 batch_size=32, lr=3e-3, seed=0, out_path=out, threads=1, progress=False)
+    return {**tiny_run_files, "weights": out}

@@ -1,6 +1,8 @@
 """FedEM: responsibilities, the E/M steps, the mixture prediction, per-component FedAvg, a whole run."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -8,10 +10,9 @@ import torch
 from torch.nn import functional as F
 
 from conftest import identity, run_params, synthetic_bundle
-from fedcore.backbones.pretrain import pretrain_vit
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import build_vit
-from fedcore.data.arrays import DatasetBundle, save_bundle
+from fedcore.data.arrays import save_bundle
 from fedcore.methods.base import ClientData, PromptClassifier, TrainSettings
 from fedcore.methods.fedem import FedEM, responsibilities
 from fedcore.partition import make_partition
@@ -116,18 +117,14 @@ def test_aggregation_averages_each_component_by_sample_size():
 
 
 @pytest.fixture(scope="module")
-def learnable_files(tmp_path_factory):
-    """The tiny blobs bundle, a 2-classes-per-client partition and a vit_mini pretrained for ~1 s on other
-    blobs (a random-init vit_mini's CLS feature is nearly constant, so no method gets above chance on it)."""
+def learnable_files(learnable_run_files, tmp_path_factory):
+    """The tiny blobs bundle, a 2-classes-per-client partition and the briefly pretrained vit_mini."""
     root = tmp_path_factory.mktemp("fedem")
     bundle = synthetic_bundle()
     save_bundle(bundle, root / "data.npz")
     make_partition({"scheme": "classes_per_client", "clients": 4, "classes_per_client": 2}, 0,
                    bundle.train.y, bundle.test.y).save(root / "part.npz")
-    pre = DatasetBundle(train=bundle.train, test=bundle.test, pretrain=synthetic_bundle(128, 4, seed=1).train,
-                        meta=bundle.meta)
-    pretrain_vit(pre, epochs=8, batch_size=16, lr=3e-3, schedule="constant", out_path=root / "vit.pt",
-                 progress=False)
+    shutil.copy(learnable_run_files["weights"], root / "vit.pt")
     return root
 
 

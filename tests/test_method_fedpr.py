@@ -1,16 +1,17 @@
 """FedPR: the protected subspace of the global prompts, updates orthogonal to it, FedAvg, a whole run."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
 from conftest import identity, run_params, synthetic_bundle
-from fedcore.backbones.pretrain import pretrain_vit
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import build_vit
-from fedcore.data.arrays import DatasetBundle, save_bundle
+from fedcore.data.arrays import save_bundle
 from fedcore.methods.base import ClientData, TrainSettings
 from fedcore.methods.fedpr import FedPR, project_out, protected_basis
 from fedcore.partition import make_partition
@@ -126,17 +127,13 @@ def test_local_update_moves_prompts_only_in_the_null_space_of_the_global_prompts
 
 
 @pytest.fixture(scope="module")
-def learnable_files(tmp_path_factory):
-    """The tiny blobs bundle, an IID 4-client partition and a vit_mini pretrained for ~1 s on other blobs
-    (a random-init vit_mini's CLS feature is nearly constant, so no method gets above chance on it)."""
+def learnable_files(learnable_run_files, tmp_path_factory):
+    """The tiny blobs bundle, an IID 4-client partition and the briefly pretrained vit_mini."""
     root = tmp_path_factory.mktemp("fedpr")
     bundle = synthetic_bundle()
     save_bundle(bundle, root / "data.npz")
     make_partition({"scheme": "iid", "clients": 4}, 0, bundle.train.y, bundle.test.y).save(root / "part.npz")
-    pre = DatasetBundle(train=bundle.train, test=bundle.test, pretrain=synthetic_bundle(128, 4, seed=1).train,
-                        meta=bundle.meta)
-    pretrain_vit(pre, epochs=8, batch_size=16, lr=3e-3, schedule="constant", out_path=root / "vit.pt",
-                 progress=False)
+    shutil.copy(learnable_run_files["weights"], root / "vit.pt")
     return root
 
 

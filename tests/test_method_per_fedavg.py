@@ -9,11 +9,9 @@ import torch
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from conftest import identity, run_params, synthetic_bundle
-from fedcore.backbones.pretrain import pretrain_vit
+from conftest import identity, run_params
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import build_vit
-from fedcore.data.arrays import DatasetBundle
 from fedcore.methods import method_class
 from fedcore.methods.base import ClientData, TrainSettings
 from fedcore.methods.per_fedavg import halves
@@ -130,13 +128,8 @@ def test_beta_defaults_to_the_experiment_lr():
 # ---- end to end ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def trained_files(tiny_run_files, tmp_path_factory):
-    """The tiny run files with a vit_mini briefly pretrained on other blob images (random ViTs stay at chance)."""
-    pre = synthetic_bundle(n_train=240, n_test=8, seed=1)
-    out = tmp_path_factory.mktemp("pretrained") / "vit_mini.pt"
-    pretrain_vit(DatasetBundle(train=pre.train, test=pre.test, pretrain=pre.train, meta=pre.meta), epochs=10,
-                 batch_size=32, lr=3e-3, seed=0, out_path=out, threads=1, progress=False)
-    return {**tiny_run_files, "weights": out}
+def trained_files(learnable_run_files):
+    return learnable_run_files
 
 
 def _train(files, work):

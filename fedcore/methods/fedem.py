@@ -7,7 +7,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedcore.backbones.prompted import PromptedViT, init_prompts
-from fedcore.methods.base import ClientData, Method, TrainSettings, autocast_for, make_optimizer
+from fedcore.methods.base import ClientData, Method, TrainSettings, autocast_for
 
 
 class StackedLinear(nn.Module):
@@ -143,20 +143,13 @@ class FedEM(Method):
                 q_sum, n = (q if q_sum is None else q_sum + q), n + len(y)
             if n:
                 model.pi.copy_((q_sum / n).to(model.pi.dtype))
-        opt = make_optimizer([model.prompts, model.head.weight, model.head.bias], settings.optimizer)
-        total, count = None, 0
-        for _ in range(settings.local_epochs):
-            for x, y in data.batches():
-                with torch.no_grad():  # the same q as the E-step: same snapshot, same old pi
-                    q = responsibilities(self._component_losses(x, y, snapshot), pi_old)
-                opt.zero_grad(set_to_none=True)
-                loss = (q * self._component_losses(x, y)).sum() / len(y)
-                loss.backward()
-                opt.step()
-                step = loss.detach().double() * len(y)
-                total = step if total is None else total + step
-                count += len(y)
-        return {"loss": float(total) / count if count else float("nan")}
+        def m_step_loss(x: Tensor, y: Tensor) -> Tensor:
+            with torch.no_grad():  # the same q as the E-step: same snapshot, same old pi
+                q = responsibilities(self._component_losses(x, y, snapshot), pi_old)
+            return (q * self._component_losses(x, y)).sum() / len(y)
+
+        return self.run_epochs([model.prompts, model.head.weight, model.head.bias], data, settings,
+                               settings.local_epochs, m_step_loss)
 
     @torch.no_grad()
     def predict(self, x: Tensor) -> Tensor:
