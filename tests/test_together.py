@@ -1,0 +1,234 @@
+"""train_together (one vmapped pass per step) equals one_by_one (each client with a fresh torch optimiser)."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from fedcore.engine import together
+from fedcore.engine.together import can_vmap, one_by_one, train_together
+
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}
+ADAM = {"name": "adam", "lr": 0.01, "weight_decay": 1e-3}
+ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 1e-2}
+
+
+class Batch(NamedTuple):
+    """The engine's batch layout."""
+
+    x: Tensor
+    y: Tensor
+    index: Tensor
+    extras: dict[str, Any]
+
+
+class TinyCNN(nn.Module):
+    """conv 3->8, BN, ReLU, conv stride 2, BN, pool, linear head.
+
+    The convs have no bias, as usual before BN: BN cancels it, so its gradient is pure rounding noise and
+    Adam (which divides a gradient by its own magnitude) would turn that noise into lr-sized steps that no
+    two summation orders agree on.
+    """
+
+    def __init__(self, classes: int = 4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.relu(self.bn2(self.conv2(h)))
+        return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+class Prompted(nn.Module):
+    """A frozen shared backbone, per-client prompt and head."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Linear(6, 6)
+        self.backbone.requires_grad_(False)
+        self.prompt = nn.Parameter(0.1 * torch.randn(6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.backbone(x + self.prompt)))
+
+
+def ce_loss(module: nn.Module, batch: Batch) -> Tensor:
+    return F.cross_entropy(module(batch.x), batch.y)
+
+
+def weighted_loss(module: nn.Module, batch: Batch) -> Tensor:
+    """Uses the batch's nested extras: a per-sample weight and a shift of the input."""
+    per = F.cross_entropy(module(batch.x + batch.extras["nested"]["shift"]), batch.y, reduction="none")
+    return (per * batch.extras["w"]).mean()
+
+
+def make_batches(counts: list[int], last: dict[int, int], x_shape: tuple[int, ...], classes: int,
+                 seed: int, size: int = 8) -> list[list[Batch]]:
+    """Client c gets counts[c] batches of ``size``; client c in ``last`` has a smaller last batch."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for c, n in enumerate(counts):
+        batches = []
+        for b in range(n):
+            m = last.get(c, size) if b == n - 1 else size
+            extras = {"w": torch.rand(m, generator=g) + 0.5,
+                      "nested": {"shift": 0.1 * torch.randn(m, *x_shape, generator=g)}}
+            batches.append(Batch(torch.randn(m, *x_shape, generator=g), torch.randint(0, classes, (m,), generator=g),
+                                 torch.arange(m) + 100 * b, extras))
+        out.append(batches)
+    return out
+
+
+def make_starts(model: nn.Module, names: list[str], k: int, seed: int) -> list[dict[str, Tensor]]:
+    """Different starting tensors per client (BN stats and counters included)."""
+    g = torch.Generator().manual_seed(seed)
+    own = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    starts = []
+    for c in range(k):
+        s = {}
+        for n in names:
+            t = own[n].detach().clone()
+            if t.is_floating_point():
+                t = t + 0.05 * torch.randn(t.shape, generator=g)
+                if "running_var" in n:
+                    t = t.abs() + 0.5
+            else:
+                t = t + c
+            s[n] = t
+        starts.append(s)
+    return starts
+
+
+def run_both(model: nn.Module, names: list[str], trainable: list[str], starts, batches, loss_fn, opt):
+    """(train_together, one_by_one) on fresh iterators over the same batches."""
+    a = train_together(model, names, trainable, starts, [iter(b) for b in batches], loss_fn, opt)
+    b = one_by_one(model, names, trainable, starts, [iter(b) for b in batches], loss_fn, opt)
+    return a, b
+
+
+def assert_same(a, b, names: list[str], atol: float = 1e-5) -> None:
+    assert len(a) == len(b)
+    for (sa, la), (sb, lb) in zip(a, b):
+        assert sorted(sa) == sorted(names) == sorted(sb)
+        for n in names:
+            torch.testing.assert_close(sa[n], sb[n], atol=atol, rtol=0, msg=lambda m, n=n: f"{n}: {m}")
+        assert abs(la - lb) < 1e-5
+
+
+def snapshot(model: nn.Module) -> dict[str, Tensor]:
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def cnn_case(seed: int = 0):
+    torch.manual_seed(seed)
+    model = TinyCNN()
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    trainable = [n for n, _ in model.named_parameters()]
+    starts = make_starts(model, names, 4, seed)
+    batches = make_batches([1, 3, 5, 7], {2: 5}, (3, 8, 8), 4, seed)
+    return model, names, trainable, starts, batches
+
+
+@pytest.mark.parametrize("opt", [SGD, ADAM], ids=["sgd", "adam"])
+def test_cnn_with_batchnorm_equals_one_by_one(opt):
+    model, names, trainable, starts, batches = cnn_case()
+    assert can_vmap(model, names)
+    before = snapshot(model)
+    a, b = run_both(model, names, trainable, starts, batches, ce_loss, opt)
+    assert_same(a, b, names)
+    # running stats moved per client: each client's counter grew by its own number of batches
+    for c, n in enumerate([1, 3, 5, 7]):
+        assert int(a[c][0]["bn1.num_batches_tracked"]) == int(starts[c]["bn1.num_batches_tracked"]) + n
+        assert not torch.equal(a[c][0]["bn2.running_mean"], starts[c]["bn2.running_mean"])
+    # the module keeps its own tensors and mode
+    after = snapshot(model)
+    assert all(torch.equal(before[n], after[n]) for n in before) and model.training
+
+
+def test_naive_variants_differ():
+    """The comparison can fail: stepping every client at every step, or dropping the BN buffer updates."""
+    model, names, trainable, starts, batches = cnn_case()
+    ref = one_by_one(model, names, trainable, starts, [iter(b) for b in batches], ce_loss, SGD)
+    original = together._update
+
+    def every_client(hp, state, moments, grads, rows, step):
+        # the naive masked-free step: inactive clients get a zero gradient but still decay and move
+        k = next(iter(state.values())).shape[0]
+        full = {n: g if rows is None else torch.zeros((k, *g.shape[1:]), dtype=g.dtype).index_copy_(0, rows, g)
+                for n, g in grads.items()}
+        original(hp, state, moments, full, None, step)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(together, "_update", every_client)
+        naive = train_together(model, names, trainable, starts, [iter(b) for b in batches], ce_loss, SGD)
+    with pytest.raises(AssertionError):
+        assert_same(naive, ref, names)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(together._Bound, "forward", lambda self, batch: (self.loss_fn(self.model, batch), {}))
+        stale = train_together(model, names, trainable, starts, [iter(b) for b in batches], ce_loss, SGD)
+    with pytest.raises(AssertionError):
+        assert_same(stale, ref, names)
+    assert not can_vmap(model, trainable)  # BN stats not per-client
+
+
+@pytest.mark.parametrize("opt", [SGD, ADAMW], ids=["sgd", "adamw"])
+def test_frozen_shared_backbone(opt, monkeypatch):
+    torch.manual_seed(1)
+    model = Prompted()
+    names = ["prompt", "head.weight", "head.bias"]
+    starts = make_starts(model, names, 3, 1)
+    batches = make_batches([2, 4, 3], {1: 3}, (6,), 3, 1)
+    backbone = model.backbone.weight
+    frozen = backbone.detach().clone()
+    seen = []
+    real_vmap = together.vmap
+
+    def spy(fn, in_dims, **kw):
+        vm = real_vmap(fn, in_dims=in_dims, **kw)
+
+        def call(*args):
+            seen.append((in_dims, args))
+            return vm(*args)
+        return call
+
+    monkeypatch.setattr(together, "vmap", spy)
+    a, b = run_both(model, names, names, starts, batches, ce_loss, opt)
+    assert_same(a, b, names)
+    assert model.backbone.weight is backbone and torch.equal(backbone, frozen) and backbone.grad is None
+    assert not backbone.requires_grad
+    # the backbone is passed once, unbatched; only the per-client tensors carry a client axis
+    for in_dims, (train, other, shared, _) in seen:
+        assert in_dims[2] is None and sorted(train) == sorted(names) and not other
+        assert shared["model.backbone.weight"].shape == frozen.shape
+        assert all(t.shape[0] <= 3 and t.dim() == model.get_parameter(n).dim() + 1 for n, t in train.items())
+
+
+def test_batch_extras_in_loss():
+    torch.manual_seed(2)
+    model = Prompted()
+    names = ["prompt", "head.weight", "head.bias"]
+    starts = make_starts(model, names, 3, 2)
+    batches = make_batches([3, 3, 2], {0: 5, 2: 4}, (6,), 3, 2)
+    a, b = run_both(model, names, ["prompt", "head.weight"], starts, batches, weighted_loss, SGD)
+    assert_same(a, b, names)
+    # head.bias is per-client but not trained: it comes back as it started
+    assert all(torch.equal(a[c][0]["head.bias"], starts[c]["head.bias"]) for c in range(3))
+
+
+def test_unknown_optimizer():
+    model = Prompted()
+    names = ["prompt"]
+    starts = make_starts(model, names, 1, 0)
+    for fn in (train_together, one_by_one):
+        with pytest.raises(ValueError, match="optimizer.name"):
+            fn(model, names, names, starts, [iter([])], ce_loss, {"name": "rmsprop", "lr": 0.1})
