@@ -2,9 +2,10 @@
 
 SGPT's ``Select`` query h_θ(x) is the final-norm CLS token of the frozen, un-prompted ViT after block
 ``b`` (the last block for label shift, block 5 of 12 for feature shift; spec sgpt §1.4). Nothing trained
-changes it, so the rule ``select_features`` computes it once per (backbone, dataset, block) for the train
+changes it, so the rule ``features`` computes it once per (backbone, dataset, block) for the train
 and test splits; SGPT runs, the Table 4 clustering, the K-Means reference (Fig. 6a) and Fig. 3 read the
-same file. ``layer_features`` serves the t-SNE figure (Fig. 5), which needs several blocks at once.
+same file. ``layer_features`` serves the t-SNE figure (Fig. 5), which needs several blocks at once; both
+run ``PromptedViT.cls_features`` (the one ViT token forward, without prompts).
 """
 from __future__ import annotations
 
@@ -29,17 +30,12 @@ def layer_features(backbone: PromptedViT, split: DeviceSplit, pipeline: InputPip
     """Final-norm CLS token after each of ``blocks`` (0-indexed), float32 (N, D) per block, no prompts."""
     idx = torch.arange(len(split.y), device=split.y.device) if indices is None else indices
     out: dict[int, list[torch.Tensor]] = {b: [] for b in blocks}
-    last = max(blocks)
     for chunk in idx.split(batch_size):
         x = pipeline(split.x[chunk])
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda):
             # one pass to the deepest block; the final norm is applied to each requested block's tokens
-            v = backbone.vit
-            h = v.norm_pre(v.patch_drop(v._pos_embed(v.patch_embed(x))))
-            for i in range(last + 1):
-                h = v.blocks[i](h)
-                if i in out:
-                    out[i].append(v.norm(h)[:, 0].float().cpu())
+            for b, cls in backbone.cls_features(x, blocks).items():
+                out[b].append(cls.float().cpu())
     return {b: torch.cat(v).numpy() if v else np.zeros((0, backbone.embed_dim), np.float32) for b, v in out.items()}
 
 

@@ -1,4 +1,4 @@
-# Backbones: mini-scale ViTs are pretrained here on the held-out split no client ever sees;
+# Backbones: mini-scale ViTs and ResNets are pretrained here on the held-out split no client ever sees;
 # paper-scale weights must be a local file (never fetched from a hub inside a job).
 
 
@@ -6,11 +6,12 @@ rule pretrain_backbone:
     input:
         # the clean embedded digits carry the held-out pretraining split (rendered in every style)
         dataset=dataset_file("digits"),
-        code=[str(FEDCORE / "backbones" / f) for f in ("pretrain.py", "vit.py")],
+        code=[str(FEDCORE / "backbones" / f) for f in ("pretrain.py", "registry.py", "vit.py", "resnet.py")],
     output:
         f"{RESULTS}/backbones/{{backbone}}.pt",
     params:
         arch=lambda wc: CFG.backbones[wc.backbone]["arch"],
+        tag=lambda wc: CFG.backbones[wc.backbone].get("tag"),
         pretrain=lambda wc: CFG.backbones[wc.backbone]["pretrain"],
     log:
         f"{RESULTS}/logs/pretrain_backbone/{{backbone}}.log",

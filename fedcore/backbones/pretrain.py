@@ -1,4 +1,4 @@
-"""Supervised pretraining of the tiny ViT on a dataset's held-out `pretrain` split (mini-scale backbone)."""
+"""Supervised pretraining of a tiny backbone (ViT or ResNet) on a dataset's held-out `pretrain` split (mini scale)."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from fedcore.backbones.images import to_model_input
 from fedcore.backbones.prompted import attention_backend
-from fedcore.backbones.vit import backbone_info, build_vit
+from fedcore.backbones.registry import arch_spec, build_backbone, input_cfg
 from fedcore.data.arrays import DatasetBundle
 from fedcore.io import atomic_path
 
@@ -66,7 +66,7 @@ def _lr_factor(step: int, total: int, schedule: str) -> float:
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: no decay for biases, norms, position embeddings and the CLS token (as timm/ViT do)."""
+    """AdamW groups: no decay for biases, norms (BatchNorm too), position embeddings and the CLS token, as timm."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if p.ndim <= 1 or name.endswith(("pos_embed", "cls_token")) else decay).append(p)
@@ -99,7 +99,41 @@ def pretrain_vit(
     max_shift: int | None = None,
     label_smoothing: float = 0.1,
 ) -> dict:
-    """Train `arch` + a temporary linear head on bundle.pretrain; save the backbone state dict (no head) to out_path."""
+    """Train `arch` + a temporary linear head on bundle.pretrain; save the backbone state dict (no head) to out_path.
+
+    The historical name: any ViT or ResNet arch of the registry works (see pretrain_backbone).
+    """
+    return pretrain_backbone(bundle, arch, None, epochs=epochs, batch_size=batch_size, lr=lr,
+                             weight_decay=weight_decay, seed=seed, out_path=out_path, threads=threads,
+                             progress=progress, device=device, schedule=schedule, max_shift=max_shift,
+                             label_smoothing=label_smoothing)
+
+
+def pretrain_backbone(
+    bundle: DatasetBundle,
+    arch: str = "vit_mini",
+    tag: str | None = None,
+    epochs: int = 30,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    weight_decay: float = 0.05,
+    seed: int = 0,
+    out_path: str | Path | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+    device: str | torch.device = "cpu",
+    schedule: str = "cosine",
+    max_shift: int | None = None,
+    label_smoothing: float = 0.1,
+) -> dict:
+    """Train registry arch `arch` + a temporary linear head on bundle.pretrain; save the backbone state dict.
+
+    The head reads the ViT's CLS feature or the ResNet's pooled feature; inputs follow weights `arch.tag`
+    (img_size, mean, std). Same data, loop and seeds for every arch: vit_mini's result is unchanged.
+    """
+    family = arch_spec(arch).family
+    if family not in ("vit", "resnet"):
+        raise ValueError(f"pretraining supports the vit and resnet families; {arch!r} is {family}")
     ds = bundle.pretrain
     if ds is None or len(ds) == 0:
         raise ValueError("the dataset bundle has no pretrain split to pretrain the backbone on")
@@ -109,8 +143,8 @@ def pretrain_vit(
     with _isolated_torch_state(threads), attention_backend(device):
         torch.default_generator.manual_seed(seed)  # init RNG (CPU only: the caller's CUDA RNG is left alone)
         gen = torch.Generator().manual_seed(seed)  # CPU generator: same shuffles/shifts on every device
-        model = build_vit(arch).to(device)
-        info = backbone_info(model)
+        model = build_backbone(arch, None, tag).to(device)
+        info = dict(input_cfg(arch, tag), embed_dim=arch_spec(arch).dim)
         num_classes = int(ds.y.max()) + 1  # pretrain labels may differ from the task classes (digits_five)
         head = nn.Linear(info["embed_dim"], num_classes).to(device)
         params = list(model.parameters()) + list(head.parameters())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import ContextManager, Mapping
+from typing import ContextManager, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +42,11 @@ class PromptedViT(nn.Module):
         self.depth = len(vit.blocks)
         self.patch_size = int(vit.patch_embed.patch_size[0])
 
+    @property
+    def feature_dim(self) -> int:
+        """Dim of the feature given to a head (the CLS token): embed_dim, named as on PromptedResNet."""
+        return self.embed_dim
+
     def train(self, mode: bool = True) -> "PromptedViT":
         """Switch the wrapper's own modules; the backbone stays in eval mode (dropout off, as in SGPT's code)."""
         super().train(mode)
@@ -64,33 +69,53 @@ class PromptedViT(nn.Module):
         # under autocast the residual stream may be fp32 while prompts are bf16 (or vice versa): match it
         return p.to(like.dtype)
 
+    def embed(self, x: Tensor) -> Tensor:
+        """Patch tokens with CLS and position embedding (B, 1+M, D): the input to block 0, no prompts.
+
+        timm has no public name for this step (``forward_features`` runs it inline); ``_pos_embed`` is the
+        only private timm piece fedcore uses, and this is the only place that calls it.
+        """
+        v = self.vit
+        return v.norm_pre(v.patch_drop(v._pos_embed(v.patch_embed(x))))
+
     def forward_tokens(
         self,
         x: Tensor,
         prompts: Mapping[int, Tensor] | None = None,
         mode: str = "insert",
         stop_block: int | None = None,
-    ) -> Tensor:
+        collect: Sequence[int] | None = None,
+    ) -> Tensor | dict[int, Tensor]:
         """Final-normed tokens (B, T, D) of model input `x` (B,3,S,S) with `prompts[i]` entering block i.
 
         mode="insert": new tokens go right after the prefix tokens and are kept (SGPT; VPT-shallow if only
         block 0). mode="replace": VPT-deep, the prompt outputs of the previous insertion are swapped for
-        prompts[i]. stop_block=k runs blocks 0..k only, then the final norm.
+        prompts[i]. stop_block=k runs blocks 0..k only, then the final norm. collect=[b, ...]: one pass to
+        the deepest of them (or stop_block) returning {b: final-normed tokens after block b}.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        last = self.depth - 1 if stop_block is None else int(stop_block)
+        want = None if collect is None else sorted({int(b) for b in collect})
+        if want is not None and not (want and 0 <= want[0] and want[-1] < self.depth):
+            raise ValueError(f"collect must name blocks in [0, {self.depth - 1}], got {collect}")
+        if stop_block is not None:
+            last = int(stop_block)
+        else:
+            last = self.depth - 1 if want is None else want[-1]
         if not 0 <= last < self.depth:
             raise ValueError(f"stop_block must be in [0, {self.depth - 1}], got {stop_block}")
+        if want is not None and want[-1] > last:
+            raise ValueError(f"collect blocks {want} go past stop_block={last}")
         prompts = prompts or {}
         bad = [i for i in prompts if not 0 <= i < self.depth]
         if bad:
             raise ValueError(f"prompt blocks {bad} outside the backbone's blocks 0..{self.depth - 1}")
 
         v, npfx = self.vit, self.num_prefix_tokens
-        h = v.norm_pre(v.patch_drop(v._pos_embed(v.patch_embed(x))))
+        h = self.embed(x)
         batch, n_live = h.shape[0], 0  # n_live: prompt tokens currently right after the prefix
         ckpt = v.grad_checkpointing and torch.is_grad_enabled()
+        out: dict[int, Tensor] = {}
         for i in range(last + 1):
             p = prompts.get(i)
             if p is not None:
@@ -100,7 +125,14 @@ class PromptedViT(nn.Module):
                 n_live = p.shape[1] if mode == "replace" else n_live + p.shape[1]
             blk = v.blocks[i]
             h = checkpoint(blk, h, use_reentrant=False) if ckpt else blk(h)
-        return v.norm(h)
+            if want is not None and i in want:
+                out[i] = v.norm(h)
+        return v.norm(h) if want is None else out
+
+    def cls_features(self, x: Tensor, blocks: Sequence[int], prompts: Mapping[int, Tensor] | None = None,
+                     mode: str = "insert") -> dict[int, Tensor]:
+        """{b: final-normed CLS token (B, D) after block b} for each of `blocks`, in one pass."""
+        return {b: self.cls_token(t) for b, t in self.forward_tokens(x, prompts, mode, collect=blocks).items()}
 
     def forward(self, x: Tensor, prompts: Mapping[int, Tensor] | None = None, mode: str = "insert") -> Tensor:
         """CLS feature (B, D) of the prompted backbone."""

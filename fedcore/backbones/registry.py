@@ -1,0 +1,423 @@
+"""Backbone architectures as data, and one builder for every family (timm's registry + ``default_cfgs`` idea).
+
+Two tables:
+
+* ``ARCH_SPECS``: arch name -> ``ArchSpec``: the family (``vit`` | ``resnet`` | ``clip``), who builds it
+  (``timm`` | ``torchvision`` | ``open_clip`` | ``fedcore``), the builder's own name and kwargs, and the static
+  facts callers need without building it (depth, feature dim, patch size).
+* ``PRETRAINED_CFGS``: ``"<arch>.<tag>"`` -> ``PretrainedCfg``: what a set of weights expects as input
+  (image size, mean, std) and where such weights come from. The tag names a weight set, as in timm
+  (``vit_base_patch16_224.orig_in21k``, ``resnet50.tv_in1k``); ``vit_mini.digits`` is the pipeline's own.
+
+``config/backbones.yaml`` names concrete backbones (arch + tag + weight file or pretrain settings) built from
+these. Nothing here downloads: weights come from a local file or the model stays randomly initialised.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+FAMILIES = ("vit", "resnet", "clip")
+SOURCES = ("timm", "torchvision", "open_clip", "fedcore")
+
+IN21K_NORM = dict(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))  # Google's ViTs are trained on [-1, 1] inputs
+IMAGENET_NORM = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+CLIP_NORM = dict(mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One architecture: how to build it, and the static facts callers need without building it."""
+
+    family: str  # vit | resnet | clip: picks the prompt adapter
+    source: str  # timm | torchvision | open_clip | fedcore: picks the builder
+    builder: str  # the builder's own name: timm/torchvision/open_clip model name, or a fedcore class
+    kwargs: Mapping[str, Any] = field(default_factory=dict)  # builder kwargs (fedcore: the whole config)
+    depth: int = 0  # transformer blocks (vit; clip image tower) or residual stages (resnet) prompts can address
+    dim: int = 0  # feature dim given to the head: ViT embed dim, ResNet pooled channels, CLIP joint embed dim
+    patch_size: int | None = None  # ViT / CLIP image tower patch side; None for CNNs
+    default_tag: str = ""  # weight tag used when none is given (must be in PRETRAINED_CFGS)
+    classifier: str | None = None  # state-dict prefix of a classifier that weight files carry and we drop
+
+
+@dataclass(frozen=True)
+class PretrainedCfg:
+    """What one weight set expects as input, and where it comes from (a timm ``default_cfg`` in miniature)."""
+
+    img_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    source: str = ""  # where such weights come from (documentation and messages only)
+
+
+class WeightFileError(ValueError, RuntimeError):
+    """A weight file that does not fit its architecture.
+
+    Both bases on purpose: a wrong file was a RuntimeError (torch's strict load) for built-in archs and a
+    ValueError (missing tensors) for timm archs; callers catching either keep working.
+    """
+
+
+# ---- the architecture table -------------------------------------------------------------------------
+def _vit_mini(dim: int, depth: int, heads: int) -> ArchSpec:
+    """A tiny 16-px ViT (4-px patches: 16 tokens + CLS), head dim 16 like the ViT-S/B/L family's 64 scaled."""
+    kwargs = dict(img_size=16, patch_size=4, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=4.0)
+    return ArchSpec("vit", "fedcore", "VisionTransformer", kwargs, depth=depth, dim=dim, patch_size=4,
+                    default_tag="digits")
+
+
+def _resnet_mini(block: str, layers: tuple[int, ...], width: int = 16) -> ArchSpec:
+    """A tiny 16-px ResNet (fedcore.backbones.resnet.MiniResNet)."""
+    expansion = 4 if block == "bottleneck" else 1
+    return ArchSpec("resnet", "fedcore", "MiniResNet", dict(block=block, layers=layers, width=width), depth=4,
+                    dim=8 * width * expansion, default_tag="digits")
+
+
+def _timm_vit(name: str, dim: int, depth: int, default_tag: str) -> ArchSpec:
+    """A timm ViT at 224 px with 16-px patches, built headless."""
+    return ArchSpec("vit", "timm", name, {}, depth=depth, dim=dim, patch_size=16, default_tag=default_tag)
+
+
+def _tv_resnet(name: str, dim: int) -> ArchSpec:
+    """A torchvision ResNet, built headless (fc = Identity); its weight files keep `fc`, which is dropped."""
+    return ArchSpec("resnet", "torchvision", name, {}, depth=4, dim=dim, default_tag="tv_in1k", classifier="fc.")
+
+
+ARCH_SPECS: dict[str, ArchSpec] = {
+    # Mini scale (pretrained by the pipeline on the held-out digits split; see rules/backbones.smk).
+    # Three tiny ViTs for a heterogeneous-ViT setting mirroring ViT-S/B/L: _s halves the width at the same
+    # depth (S vs B), _l widens 1.25x and deepens 1.5x (L: 1.33x and 2x). Pretraining fwd+bwd on one CPU
+    # thread runs at 2.0x / 1x / 0.56x vit_mini's speed (~1,900 img/s alone), so _l keeps ~1,000 img/s;
+    # 96 wide and 6 deep was 0.4x. vit_mini is the default pipeline's backbone.
+    "vit_mini_s": _vit_mini(dim=32, depth=4, heads=2),
+    "vit_mini": _vit_mini(dim=64, depth=4, heads=4),
+    "vit_mini_l": _vit_mini(dim=80, depth=6, heads=5),
+    # Three tiny ResNets mirroring ResNet-18/34/50 (FedHPL's heterogeneous CNN clients): stage depths
+    # (2,2,2,2) and (3,4,6,3) roughly halved, width 16..128 (BasicBlock: dim 128; Bottleneck: dim 512).
+    # Pretraining fwd+bwd runs at 2.1x / 1.25x / 0.94x vit_mini's speed on one thread.
+    "resnet_mini_18": _resnet_mini("basic", (1, 1, 1, 1)),
+    "resnet_mini_34": _resnet_mini("basic", (1, 2, 3, 1)),
+    "resnet_mini_50": _resnet_mini("bottleneck", (1, 2, 3, 1)),
+    # Paper scale: local weight files only.
+    "vit_small_patch16_224": _timm_vit("vit_small_patch16_224", 384, 12, "augreg_in21k"),
+    "vit_base_patch16_224": _timm_vit("vit_base_patch16_224", 768, 12, "orig_in21k"),
+    "vit_large_patch16_224": _timm_vit("vit_large_patch16_224", 1024, 24, "orig_in21k"),
+    "resnet18": _tv_resnet("resnet18", 512),
+    "resnet34": _tv_resnet("resnet34", 512),
+    "resnet50": _tv_resnet("resnet50", 2048),
+    # FedOTP's CLIP ViT-B/16 (OpenAI weights need QuickGELU; a bare file carries no tag, so force it).
+    # dim = joint image-text embedding; depth = image-tower blocks.
+    "clip_vit_b16": ArchSpec("clip", "open_clip", "ViT-B-16", dict(force_quick_gelu=True), depth=12, dim=512,
+                             patch_size=16, default_tag="openai"),
+}
+
+_DIGITS = "pretrained by the pipeline on the digits bundle's held-out pretrain split (rule pretrain_backbone)"
+_DIGITS_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS)
+
+PRETRAINED_CFGS: dict[str, PretrainedCfg] = {
+    **{f"{a}.digits": _DIGITS_CFG for a in ("vit_mini_s", "vit_mini", "vit_mini_l", "resnet_mini_18",
+                                             "resnet_mini_34", "resnet_mini_50")},
+    "vit_small_patch16_224.augreg_in21k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
+    "vit_small_patch16_224.augreg_in21k_ft_in1k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
+    "vit_base_patch16_224.orig_in21k": PretrainedCfg(224, **IN21K_NORM, source="timm (Google's original in21k)"),
+    "vit_base_patch16_224.augreg_in21k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
+    "vit_base_patch16_224.augreg_in21k_ft_in1k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
+    "vit_large_patch16_224.orig_in21k": PretrainedCfg(224, **IN21K_NORM, source="timm (Google's original in21k)"),
+    "vit_large_patch16_224.augreg_in21k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
+    "vit_large_patch16_224.augreg_in21k_ft_in1k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
+    "resnet18.tv_in1k": PretrainedCfg(224, **IMAGENET_NORM, source="torchvision IMAGENET1K_V1"),
+    "resnet34.tv_in1k": PretrainedCfg(224, **IMAGENET_NORM, source="torchvision IMAGENET1K_V1"),
+    "resnet50.tv_in1k": PretrainedCfg(224, **IMAGENET_NORM, source="torchvision IMAGENET1K_V1"),
+    "clip_vit_b16.openai": PretrainedCfg(224, **CLIP_NORM, source="open_clip ViT-B-16 openai (safetensors copy)"),
+}
+
+
+def register_arch(name: str, spec: ArchSpec, tags: Mapping[str, PretrainedCfg], replace: bool = False) -> None:
+    """Add an architecture and its weight tags to the registry (tests, benchmarks, new families)."""
+    if spec.family not in FAMILIES or spec.source not in SOURCES:
+        raise ValueError(f"family must be one of {FAMILIES} and source one of {SOURCES}, got {spec.family!r}, "
+                         f"{spec.source!r}")
+    if name in ARCH_SPECS and not replace:
+        raise ValueError(f"arch {name!r} is already registered")
+    if spec.default_tag not in tags and f"{name}.{spec.default_tag}" not in PRETRAINED_CFGS:
+        raise ValueError(f"arch {name!r}: its default tag {spec.default_tag!r} has no pretrained config")
+    ARCH_SPECS[name] = spec
+    for tag, cfg in tags.items():
+        PRETRAINED_CFGS[f"{name}.{tag}"] = cfg
+
+
+def list_archs(family: str | None = None) -> list[str]:
+    """Registered arch names, optionally of one family."""
+    return [a for a, s in ARCH_SPECS.items() if family is None or s.family == family]
+
+
+def arch_spec(arch: str) -> ArchSpec:
+    """The ArchSpec of `arch`, or a ValueError listing the known archs."""
+    if arch not in ARCH_SPECS:
+        raise ValueError(f"unknown backbone arch {arch!r}; known archs: {sorted(ARCH_SPECS)}")
+    return ARCH_SPECS[arch]
+
+
+def arch_tags(arch: str) -> list[str]:
+    """The weight tags registered for `arch`."""
+    return [k.split(".", 1)[1] for k in PRETRAINED_CFGS if k.split(".", 1)[0] == arch]
+
+
+def arch_info(arch: str) -> dict:
+    """Static facts of `arch` without building it: family, source, builder, depth, dim, patch_size, tags."""
+    spec = arch_spec(arch)
+    info = {k: v for k, v in asdict(spec).items() if k != "kwargs"}
+    return dict(arch=arch, **info, tags=arch_tags(arch))
+
+
+def pretrained_cfg(arch: str, tag: str | None = None) -> PretrainedCfg:
+    """The PretrainedCfg of `arch.tag` (the arch's default tag if None), or a ValueError listing its tags."""
+    tag = arch_spec(arch).default_tag if tag is None else tag
+    key = f"{arch}.{tag}"
+    if key not in PRETRAINED_CFGS:
+        raise ValueError(f"unknown weight tag {tag!r} for arch {arch!r}; known tags: {arch_tags(arch)}")
+    return PRETRAINED_CFGS[key]
+
+
+def input_cfg(arch: str, tag: str | None = None) -> dict:
+    """The model input contract of weights `arch.tag`: dict(img_size, mean, std)."""
+    cfg = pretrained_cfg(arch, tag)
+    return dict(img_size=cfg.img_size, mean=tuple(cfg.mean), std=tuple(cfg.std))
+
+
+# ---- weight files -----------------------------------------------------------------------------------
+def _check_file(arch: str, weights: str | Path) -> Path:
+    """Fail early, and say what to fix, when a configured weight file is absent."""
+    path = Path(weights)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"weight file {str(path)!r} for backbone arch {arch!r} does not exist: fix the `weights:` key of "
+            f"the backbone with `arch: {arch}` in config/backbones.yaml, or put the file there "
+            f"(mini-scale weights such as vit_mini's are written by the pipeline's pretrain rule)"
+        )
+    return path
+
+
+def read_state_dict(path: str | Path, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """Load a safetensors or torch state dict, unwrapping a {'state_dict'|'model': ...} checkpoint."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        sd = load_file(str(path))
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    for key in ("state_dict", "model"):
+        if isinstance(sd.get(key), dict):
+            sd = sd[key]
+    return {k.removeprefix("module."): v for k, v in sd.items()}
+
+
+def _file_keys(path: Path) -> set[str]:
+    """Parameter names stored in a weight file, read without loading tensors where the format allows."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return {k.removeprefix("module.") for k in f.keys()}
+    return set(read_state_dict(path, mmap=True))
+
+
+def _load_strict(model: nn.Module, path: Path, arch: str, drop_prefix: str | None = None) -> None:
+    """Load `path` into `model` strictly (after dropping a classifier), naming the file in any error."""
+    sd = read_state_dict(path)
+    if drop_prefix:
+        sd = {k: v for k, v in sd.items() if not k.startswith(drop_prefix)}
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+    if missing or unexpected:
+        raise WeightFileError(
+            f"{path} is not a {arch} state dict: {len(missing)} backbone tensors missing (e.g. {missing[:5]}), "
+            f"{len(unexpected)} unexpected (e.g. {unexpected[:5]})"
+        )
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:  # shape mismatches
+        raise WeightFileError(f"{path} does not fit arch {arch}: {e}") from e
+
+
+# ---- builders, one per source -----------------------------------------------------------------------
+def _build_timm(arch: str, spec: ArchSpec, path: Path | None, cfg: PretrainedCfg) -> nn.Module:
+    """A headless timm model; a local file goes through timm's own loader (it drops the classifier)."""
+    import timm
+
+    # The bare arch name (no tag) on purpose: with it timm drops any classifier the file keeps (an
+    # in21k file's 21843-class head); our tag only sets the input contract.
+    overlay = dict(mean=cfg.mean, std=cfg.std)
+    if path is not None:
+        # custom_load only for Google's JAX .npz; explicit so that older timm cannot route a torch file there
+        overlay.update(file=str(path), custom_load=str(path).endswith(".npz"))
+    model = timm.create_model(spec.builder, pretrained=path is not None, num_classes=0,
+                              pretrained_cfg_overlay=overlay, **spec.kwargs)
+    if path is not None and not str(path).endswith(".npz"):
+        # timm loads non-strictly once it drops the classifier: make a wrong file an error, not random weights
+        missing = sorted(set(model.state_dict()) - _file_keys(path))
+        if missing:
+            raise WeightFileError(
+                f"{path} is not a {spec.builder} state dict: {len(missing)} backbone tensors missing, "
+                f"e.g. {missing[:5]}"
+            )
+    return model
+
+
+def _build_torchvision(arch: str, spec: ArchSpec, path: Path | None, cfg: PretrainedCfg) -> nn.Module:
+    """A headless torchvision model (fc = Identity), random init or a local file; never torchvision's hub."""
+    import torchvision
+
+    model = getattr(torchvision.models, spec.builder)(weights=None, **spec.kwargs)
+    model.fc = nn.Identity()
+    if path is not None:
+        _load_strict(model, path, arch, drop_prefix=spec.classifier)
+    return model
+
+
+def _fedcore_vit(**kwargs: Any) -> nn.Module:
+    """timm's VisionTransformer class built directly from our kwargs, headless."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(**kwargs, num_classes=0)
+
+
+def _fedcore_resnet(**kwargs: Any) -> nn.Module:
+    """fedcore's tiny headless ResNet."""
+    from fedcore.backbones.resnet import MiniResNet
+
+    return MiniResNet(**kwargs)
+
+
+FEDCORE_BUILDERS: dict[str, Callable[..., nn.Module]] = {"VisionTransformer": _fedcore_vit,
+                                                         "MiniResNet": _fedcore_resnet}
+
+
+def _build_fedcore(arch: str, spec: ArchSpec, path: Path | None, cfg: PretrainedCfg) -> nn.Module:
+    """One of our tiny models; a local file is loaded strictly."""
+    if spec.builder not in FEDCORE_BUILDERS:
+        raise ValueError(f"arch {arch!r}: unknown fedcore builder {spec.builder!r}; known: {sorted(FEDCORE_BUILDERS)}")
+    model = FEDCORE_BUILDERS[spec.builder](**spec.kwargs)
+    if path is not None:
+        _load_strict(model, path, arch, drop_prefix=spec.classifier)
+    return model
+
+
+def _build_open_clip(arch: str, spec: ArchSpec, path: Path | None, cfg: PretrainedCfg) -> nn.Module:
+    """A whole open_clip model (image and text towers), random init or a local file; never a hub tag.
+
+    ``kwargs = {"model_cfg": {...}}`` builds an unnamed config (embed_dim, vision_cfg, text_cfg) with the
+    class open_clip's factory would pick; otherwise ``builder`` names an open_clip config (``ViT-B-16`` or
+    one added with ``open_clip.add_model_config``) and kwargs go to ``open_clip.create_model``.
+    """
+    import open_clip
+
+    kwargs = dict(spec.kwargs)
+    if "model_cfg" in kwargs:
+        model_cfg = copy.deepcopy(dict(kwargs.pop("model_cfg")))
+        if kwargs:
+            raise ValueError(f"arch {arch!r}: with model_cfg, put every setting inside it; got also {sorted(kwargs)}")
+        custom = model_cfg.pop("custom_text", False) or "hf_model_name" in model_cfg.get("text_cfg", {})
+        model = (open_clip.CustomTextCLIP if custom else open_clip.CLIP)(**model_cfg)
+    else:
+        if spec.builder not in open_clip.list_models():
+            raise ValueError(f"arch {arch!r}: open_clip has no model config {spec.builder!r}")
+        # torch's default device, as the other builders use (so `with torch.device("meta")` works here too)
+        kwargs.setdefault("device", torch.get_default_device())
+        model = open_clip.create_model(spec.builder, pretrained=None, **kwargs)
+    if path is not None:
+        try:
+            # open_clip's loader: strict, and it adapts what its own checkpoints need (e.g. pos-embed resize)
+            open_clip.load_checkpoint(model, str(path), strict=True)
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise WeightFileError(f"{path} does not fit arch {arch} ({spec.builder}): {e}") from e
+    return model
+
+
+BUILDERS: dict[str, Callable[[str, ArchSpec, Path | None, PretrainedCfg], nn.Module]] = {
+    "timm": _build_timm, "torchvision": _build_torchvision, "fedcore": _build_fedcore, "open_clip": _build_open_clip,
+}
+
+
+def _attach_cfg(model: nn.Module, arch: str, tag: str, cfg: PretrainedCfg) -> None:
+    """Record the input contract on the model so that the model alone tells how to feed it."""
+    pcfg = dict(getattr(model, "pretrained_cfg", None) or {})
+    pcfg.update(architecture=arch, input_size=(3, cfg.img_size, cfg.img_size), mean=cfg.mean, std=cfg.std)
+    model.pretrained_cfg = pcfg
+    model.fedcore_arch = arch
+    model.fedcore_tag = tag
+
+
+def build_backbone(arch: str, weights: str | Path | None = None, tag: str | None = None) -> nn.Module:
+    """Build `arch` headless, loading `weights` from a local file (strictly) if given; never downloads.
+
+    `tag` (default: the arch's default tag) picks the input contract recorded on the model
+    (``model.pretrained_cfg``: input_size, mean, std), read back by ``backbone_info``/``input_cfg``.
+    """
+    spec = arch_spec(arch)
+    tag = spec.default_tag if tag is None else tag
+    cfg = pretrained_cfg(arch, tag)
+    path = None if weights is None else _check_file(arch, weights)
+    model = BUILDERS[spec.source](arch, spec, path, cfg)
+    if spec.family == "vit":
+        built = model.patch_embed.img_size
+        if int(built[0]) != cfg.img_size:  # a ViT's position embedding fixes its input size
+            raise ValueError(f"{arch}.{tag} expects {cfg.img_size}-px inputs but {arch} is built for {built[0]} px")
+    _attach_cfg(model, arch, tag, cfg)
+    return model
+
+
+# ---- built models -----------------------------------------------------------------------------------
+def model_family(model: nn.Module) -> str:
+    """The family (vit | resnet | clip) of a built backbone: from the registry if built here, else its type."""
+    arch = getattr(model, "fedcore_arch", None)
+    if arch in ARCH_SPECS:
+        return ARCH_SPECS[arch].family
+    from timm.models.vision_transformer import VisionTransformer
+
+    from fedcore.backbones.resnet import resnet_stages
+
+    if isinstance(model, VisionTransformer):
+        return "vit"
+    if resnet_stages(model):
+        return "resnet"
+    if hasattr(model, "encode_image") and hasattr(model, "encode_text"):
+        return "clip"
+    raise TypeError(f"{type(model).__name__} is not a backbone of a known family {FAMILIES}")
+
+
+def model_facts(model: nn.Module) -> dict:
+    """The static facts (family, depth, dim, patch_size) read off a built backbone (checks ARCH_SPECS)."""
+    family = model_family(model)
+    if family == "vit":
+        return dict(family=family, depth=len(model.blocks), dim=int(model.embed_dim),
+                    patch_size=int(model.patch_embed.patch_size[0]))
+    if family == "resnet":
+        from fedcore.backbones.resnet import resnet_feature_dim, resnet_stages
+
+        return dict(family=family, depth=len(resnet_stages(model)), dim=resnet_feature_dim(model), patch_size=None)
+    visual = model.visual
+    patch = visual.patch_size if hasattr(visual, "patch_size") else None
+    return dict(family=family, depth=len(visual.transformer.resblocks), dim=int(visual.output_dim),
+                patch_size=None if patch is None else int(patch[0]))
+
+
+def prompt_adapter(model: nn.Module) -> nn.Module:
+    """The family's prompt adapter around a built backbone: PromptedViT (vit) or PromptedResNet (resnet)."""
+    family = model_family(model)
+    if family == "vit":
+        from fedcore.backbones.prompted import PromptedViT
+
+        return PromptedViT(model)
+    if family == "resnet":
+        from fedcore.backbones.resnet import PromptedResNet
+
+        return PromptedResNet(model)
+    raise NotImplementedError(f"no prompt adapter for the {family!r} family yet: the CLIP adapter (text prompts, "
+                              f"patch tokens for OT) comes with the FedOTP issue")
