@@ -1,7 +1,7 @@
 """Training-step throughput of a method on a backbone: images/s of one client's local update.
 
     python benchmarks/bench_train.py                                   # vit_mini, CPU, every baseline
-    python benchmarks/bench_train.py --clients 5                       # + a round of 5 clients trained together
+    python benchmarks/bench_train.py --clients 5                       # + 5 clients one by one vs together
     python benchmarks/bench_train.py --arch vit_base_patch16_224 --batch 40 --steps 20 --methods fedvpt head_tune
         (random weights; on a GPU add --amp for bf16 autocast)
 
@@ -20,20 +20,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedcore.backbones.images import to_model_input  # noqa: E402
-from fedcore.backbones.prompted import PromptedViT  # noqa: E402
+from fedcore.backbones.prompted import PromptedViT, attention_backend  # noqa: E402
 from fedcore.backbones.vit import backbone_info, build_vit  # noqa: E402
+from fedcore.engine.data import Batch  # noqa: E402
+from fedcore.engine.optim import ClientData, TrainSettings  # noqa: E402
+from fedcore.engine.roles import FitResult, module_state  # noqa: E402
+from fedcore.engine.together import one_by_one, train_together  # noqa: E402
 from fedcore.methods import METHODS, method_class  # noqa: E402
-from fedcore.engine.batched import train_together  # noqa: E402
-from fedcore.engine.data import QueryBatch  # noqa: E402
-from fedcore.methods.base import ClientData, TrainSettings  # noqa: E402
 
 
-def bench(method: str, arch: str, batch: int, steps: int, warmup: int, device: torch.device, amp: bool) -> float:
-    """Images/s of one client's real local update (``local_epochs=1`` over ``steps`` batches) of ``method``.
-
-    Each image counts once per pass: SGPT's two BCD blocks are two passes, FedEM's components are not.
-    Select queries, when the method reads them, are random vectors (their cost is a cached lookup).
-    """
+def _setup(method: str, arch: str, batch: int, device: torch.device):
+    """(method, one batch) for ``method`` on random weights; artifacts are random vectors (a cached lookup)."""
     torch.manual_seed(0)
     vit = build_vit(arch)
     info = backbone_info(vit)
@@ -50,49 +47,59 @@ def bench(method: str, arch: str, batch: int, steps: int, warmup: int, device: t
     if extractor is not None:  # the engine computes these once per run; a step then only runs the head
         with torch.no_grad():
             x = extractor(x).float()
-    elif cls.uses_select_queries:
-        x = QueryBatch(x, torch.randn(batch, m.backbone.embed_dim, device=device))
+    extras = {name: torch.randn(batch, vit.embed_dim, device=device) for name in cls.artifacts(m.params)}
+    return m, Batch(x, y, torch.arange(batch, device=device), extras)
+
+
+def seconds(fn, n: int, device: torch.device) -> float:
+    """Wall time of ``fn(n)``, the GPU's queue drained before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(n)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def bench(method: str, arch: str, batch: int, steps: int, warmup: int, device: torch.device, amp: bool) -> float:
+    """Images/s of one client's real local update (``local_epochs=1`` over ``steps`` batches) of ``method``.
+
+    Each image counts once per pass: SGPT's two BCD blocks are two passes, FedEM's components are not.
+    """
+    m, b = _setup(method, arch, batch, device)
     settings = TrainSettings(1, batch, {"name": "sgd", "lr": 0.01, "momentum": 0.9})
     phases = 2 if method == "sgpt" else 1
 
     def update(n: int) -> None:
-        data = ClientData(0, batch * n, lambda: iter([(x, y)] * n), torch.Generator())
-        m.server_state = m.init_server_state()
-        m.setup([data], m.server_state)
+        data = ClientData(0, batch * n, lambda: iter([b] * n), torch.Generator())
+        server = m.strategy.init_state(1)
+        up = m.client.setup(0, data)
+        if up is not None:
+            m.strategy.setup(server, [FitResult(0, batch * n, up, {})])
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            m.local_update(data, settings)
+            m.client.fit(0, m.client.init_state(0), m.strategy.configure(server, 0), data, settings)
 
     update(warmup)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    update(steps)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return phases * batch * steps / (time.perf_counter() - t0)
+    return phases * batch * steps / seconds(update, steps, device)
 
 
-def bench_together(method: str, arch: str, batch: int, steps: int, clients: int, device: torch.device) -> float:
-    """Images/s of ``clients`` clients' local updates trained together (fedcore/engine/batched.py)."""
-    torch.manual_seed(0)
-    vit = build_vit(arch)
-    info = backbone_info(vit)
-    m = method_class(method)(PromptedViT(vit).to(device), 100, {})
-    m.model.to(device)
-    raw = torch.randint(0, 256, (batch, 32, 32, 3), dtype=torch.uint8, device=device)
-    y = torch.randint(0, 100, (batch,), device=device)
-    x = to_model_input(raw, info["img_size"], info["mean"], info["std"])
-    datas = [ClientData(c, batch * steps, lambda: iter([(x, y)] * steps), torch.Generator()) for c in range(clients)]
-    start = m.get_state(m.trainable_names())
-    settings = TrainSettings(1, batch, {"name": "sgd", "lr": 0.01, "momentum": 0.9})
-    train_together(m, [start] * clients, datas, settings)  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    train_together(m, [start] * clients, datas, settings)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return clients * batch * steps / (time.perf_counter() - t0)
+def bench_together(method: str, arch: str, batch: int, steps: int, clients: int, device: torch.device,
+                   amp: bool) -> tuple[float, float]:
+    """Images/s of ``clients`` clients' local updates trained one by one and together (fedcore/engine/together.py)."""
+    m, b = _setup(method, arch, batch, device)
+    keys, trainable = m.keys(0), m.trainable_keys(0)
+    start = module_state(m.model, keys)
+    opt = {"name": "sgd", "lr": 0.01, "momentum": 0.9}
+    out = []
+    for fn in (one_by_one, train_together):
+        def run(n: int) -> None:
+            streams = [iter([b] * n) for _ in range(clients)]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                fn(m.model, keys, trainable, [start] * clients, streams, m.client.loss, opt)
+        run(2)  # warm-up
+        out.append(clients * batch * steps / seconds(run, steps, device))
+    return out[0], out[1]
 
 
 def main() -> None:
@@ -112,10 +119,11 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {a.threads} thread(s)"
     print(f"# {a.arch}, batch {a.batch}, {a.steps} steps, {name}, amp={a.amp}")
     for method in a.methods:
-        line = f"{method:10s} {bench(method, a.arch, a.batch, a.steps, a.warmup, device, a.amp):10.1f} images/s"
-        if a.clients > 1 and method_class(method).batched_clients:
-            together = bench_together(method, a.arch, a.batch, a.steps, a.clients, device)
-            line += f"   {a.clients} clients together: {together:10.1f} images/s"
+        with attention_backend(device):  # as training runs: the math kernel on CPU (vmap has no flash rule there)
+            line = f"{method:10s} {bench(method, a.arch, a.batch, a.steps, a.warmup, device, a.amp):10.1f} images/s"
+            if a.clients > 1 and method_class(method).client_role.batchable:
+                alone, together = bench_together(method, a.arch, a.batch, a.steps, a.clients, device, a.amp)
+                line += f"   {a.clients} clients one by one: {alone:10.1f}, together: {together:10.1f} images/s"
         print(line)
 
 

@@ -128,7 +128,7 @@ class Resolved:
 
     def backbones_needed(self) -> list[str]:
         """Concrete backbones needed by the experiments."""
-        return sorted({exp["backbone"] for exp in self.experiments.values()})
+        return sorted({b for exp in self.experiments.values() for b in run_backbones(exp)})
 
     def partitions(self) -> dict[tuple[str, str], dict]:
         """(dataset, partition id) -> validated partition spec."""
@@ -155,6 +155,9 @@ class Resolved:
         out = {k: copy.deepcopy(exp[k]) for k in TRAIN_KEYS}
         out["method"] = self.base_method(method)
         out["method_params"] = self.method_params(experiment, method)
+        if "client_backbones" in exp:  # which of the run's backbones each client uses (homogeneous runs: absent)
+            names = run_backbones(exp)
+            out["client_backbones"] = [names.index(b) for b in exp["client_backbones"]]
         out["final_window"] = exp["report"].get("rounds", 1) if exp["report"]["window"] == "last" else 1
         out["paper"] = exp["paper"]
         return out
@@ -198,6 +201,41 @@ class Resolved:
         return {e: {"methods": list(x["methods"]), "report": dict(x["report"]), "paper": x["paper"],
                     "dataset": x["dataset"], "rounds": x["federation"]["rounds"]}
                 for e, x in self.experiments.items()}
+
+
+def run_backbones(exp: dict) -> list[str]:
+    """The concrete backbones a run of ``exp`` loads: its ``client_backbones`` in first-use order, else ``backbone``."""
+    return list(dict.fromkeys(exp["client_backbones"])) if "client_backbones" in exp else [exp["backbone"]]
+
+
+def _arch_depth(arch: str) -> int:
+    """Number of blocks of a backbone architecture, from the registry's data (nothing is built)."""
+    try:
+        from fedcore.backbones.registry import arch_info
+    except ImportError:  # before the registry existed: the ViT table
+        from fedcore.backbones.vit import ARCHS
+
+        cfg = ARCHS[arch]
+        return int(cfg["kwargs"]["depth"]) if "kwargs" in cfg else {"vit_large_patch16_224": 24}.get(arch, 12)
+    return int(arch_info(arch)["depth"])
+
+
+def _check_blocks(name: str, exp: dict, resolved: "Resolved", where: str) -> None:
+    """Every block index a method's params name must exist in each of the run's backbones."""
+    from fedcore.methods import method_class
+
+    depths = {b: _arch_depth(resolved.backbones[b]["arch"]) for b in run_backbones(exp)}
+    backbone, depth = min(depths.items(), key=lambda kv: kv[1])
+    for m in exp["methods"]:
+        cls = method_class(resolved.base_method(m))
+        params = {**cls.defaults, **resolved.method_params(name, m)}
+        for key in cls.block_params:
+            value = params[key]
+            blocks = value if isinstance(value, (list, tuple)) else [value]
+            bad = [b for b in blocks if not isinstance(b, int) or not 0 <= b < depth]
+            if bad:
+                raise ConfigError(f"config error in {where}: method {m!r} has {key}={value}; backbone {backbone!r} "
+                                  f"({resolved.backbones[backbone]['arch']}) has blocks 0..{depth - 1}")
 
 
 def load_config(config: dict, root: str | Path = ".") -> Resolved:
@@ -258,6 +296,7 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
                 if unknown:
                     raise ConfigError(f"config error in {where}: method {m!r} has unknown param(s) {unknown}; "
                                       f"{resolved.base_method(m)} accepts {sorted(allowed)}")
+            _check_blocks(name, out, resolved, where)
         _load_report(root, paper, scale, scale_file, schema, resolved)
     for name in scale.get("experiments", {}):
         _check_name(name, resolved.experiments, str(scale_file), "experiments")
@@ -279,6 +318,14 @@ def _resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_fil
     out = deep_merge(out, scale.get("experiments", {}).get(name, {}))
     out["dataset_logical"], out["dataset"] = exp["dataset"], scale["datasets"][exp["dataset"]]
     out["backbone"] = scale["backbones"][exp["backbone"]]
+    if "client_backbones" in exp:
+        for i, b in enumerate(exp["client_backbones"]):
+            _check_name(b, scale["backbones"], f"experiment {name}", f"client_backbones[{i}]")
+        out["client_backbones"] = [scale["backbones"][b] for b in exp["client_backbones"]]
+        clients = out["partition"].get("clients")
+        if clients is not None and clients != len(out["client_backbones"]):
+            raise ConfigError(f"config error in experiment {name} at client_backbones: {len(out['client_backbones'])} "
+                              f"backbones for partition.clients={clients}")
     missing = [k for k in ("rounds", "participation", "local_epochs", "batch_size") if k not in out["federation"]]
     if missing:
         raise ConfigError(f"experiment {name}: federation is missing {missing} after applying {scale_file}")

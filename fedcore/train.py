@@ -9,14 +9,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcore.backbones.prompted import PromptedViT, attention_backend
-from fedcore.backbones.vit import backbone_info, build_vit
+from fedcore.backbones.prompted import attention_backend
+from fedcore.backbones.registry import build_backbone, prompt_adapter
+from fedcore.backbones.vit import backbone_info
 from fedcore.data.arrays import load_bundle
+from fedcore.artifacts import load_artifact
 from fedcore.engine.data import DeviceSplit, InputPipeline, cache_features
 from fedcore.engine.evaluate import EvalSets
 from fedcore.engine.loop import RunResult, RunSpec, run_federated
 from fedcore.engine.sampling import stream_seed
-from fedcore.features import load_select_queries
 from fedcore.io import atomic_path
 from fedcore.methods import method_class
 from fedcore.partition import Partition
@@ -53,15 +54,19 @@ def check_partition(part: Partition, n_train: int, n_test: int, where: str) -> N
 
 
 def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: str | Path,
-              partition_path: str | Path, backbone_arch: str, backbone_weights: str | Path | None,
+              partition_path: str | Path, backbone_arch: str | list[str],
+              backbone_weights: str | Path | None | list[str | Path | None],
               metrics_out: str | Path, final_out: str | Path, checkpoint_path: str | Path | None = None,
               device: str = "auto", threads: int | None = None, progress: bool = True,
-              stop_after_round: int | None = None, select_queries: str | Path | None = None) -> RunResult | None:
+              stop_after_round: int | None = None, artifacts: dict[str, str | Path] | None = None,
+              ) -> RunResult | None:
     """Train one (experiment, method, seed) and write its metrics Parquet and final state atomically.
 
     ``params['method']`` names the registered method when the run's method is a variant of it
     (e.g. identity method ``sgpt_share_only`` runs ``sgpt`` with the variant's params).
-    ``select_queries`` is the cached Select-query file (rule select_features) for methods that read it.
+    ``backbone_arch``/``backbone_weights`` may list several backbones; ``params['client_backbones'][c]``
+    then says which one client c uses. ``artifacts`` maps each per-sample artifact the method declares
+    (``Method.artifacts``) to its file (rule ``features``).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -69,24 +74,44 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     bundle = load_bundle(dataset_path)
     part = Partition.load(partition_path)
     check_partition(part, len(bundle.train), len(bundle.test), str(partition_path))
+    archs = backbone_arch if isinstance(backbone_arch, list) else [backbone_arch]
+    weights = backbone_weights if isinstance(backbone_weights, list) else [backbone_weights]
+    client_backbones = params.get("client_backbones")
+    if len(archs) != len(weights) or (len(archs) > 1 and client_backbones is None):
+        raise ValueError(f"{len(archs)} backbone archs, {len(weights)} weight files and client_backbones="
+                         f"{client_backbones}: several backbones need one weight file each and client_backbones")
+    if client_backbones is not None and len(client_backbones) != len(part.train):
+        raise ValueError(f"client_backbones names {len(client_backbones)} clients, the partition has {len(part.train)}")
 
     seed = int(identity["seed"])
     # A derived seed for model initialisation: seeding with the bare run seed would reproduce the
     # RNG stream of the backbone's own pretraining (seed 0), so a fresh head would start as the
     # pretraining head and leak its training into the run.
     seed_everything(stream_seed(seed, 0, 0, 0x1A17))
-    vit = build_vit(backbone_arch, backbone_weights)
-    info = backbone_info(vit)
-    backbone = PromptedViT(vit).to(dev)
+    nets = [build_backbone(a, w) for a, w in zip(archs, weights, strict=True)]
+    infos = [backbone_info(n) for n in nets]
+    inputs = {(i["img_size"], i["mean"], i["std"]) for i in infos}
+    if len(inputs) != 1:
+        raise ValueError(f"the run's backbones {archs} expect different inputs {sorted(inputs)}: one run feeds "
+                         "every client the same model input")
+    backbones = [prompt_adapter(n).to(dev) for n in nets]  # the family's frozen, promptable wrapper
     cls = method_class(params.get("method", identity["method"]))
-    method = cls(backbone, bundle.num_classes, params.get("method_params", {}))
-    method.model.to(dev)
+    method = cls(backbones if len(backbones) > 1 else backbones[0], bundle.num_classes,
+                 params.get("method_params", {}), client_backbones)
+    for m in method.models:
+        m.to(dev)
 
     train = DeviceSplit.from_arrays(bundle.train, dev)
     test = DeviceSplit.from_arrays(bundle.test, dev)
-    if cls.uses_select_queries:
-        train.queries, test.queries = load_select_queries(select_queries, len(bundle.train), len(bundle.test),
-                                                          method.params.get("select_block"), dev)
+    declared = cls.artifacts(method.params)
+    missing = sorted(set(declared) - set(artifacts or {}))
+    if missing:
+        raise ValueError(f"method {cls.name} reads the per-sample artifacts {missing}; no file was given for them "
+                         "(rule features builds them)")
+    for name, key in declared.items():
+        train.extras[name], test.extras[name] = load_artifact(key, artifacts[name], len(bundle.train),
+                                                              len(bundle.test), dev)
+    info = infos[0]
     pipeline = InputPipeline(info["img_size"], info["mean"], info["std"])
     extractor = method.frozen_features()
     if extractor is not None:
@@ -100,7 +125,8 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     eval_sets = EvalSets(source, [to_idx(t) for t in part.test], test, evaluation.get("global_test", "pooled_local"))
     spec = RunSpec(identity=dict(identity), federation=params["federation"], optimizer=params["optimizer"],
                    evaluation=evaluation, final_window=int(params.get("final_window", 1)),
-                   method_params={"method": cls.name, **method.params})
+                   method_params={"method": cls.name, **method.params, "client_backbones": client_backbones,
+                                  "backbones": archs})
     with attention_backend(dev):
         result = run_federated(method, train, test, [to_idx(t) for t in part.train], eval_sets, pipeline, spec,
                                checkpoint_path, stop_after_round=stop_after_round, progress=progress)
@@ -108,7 +134,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
         return None
     with atomic_path(final_out, suffix=".pt") as tmp:
         torch.save({"identity": identity, "global": result.global_state, "personal": result.personal_states,
-                    "server": result.server_state}, tmp)
+                    "server": result.server_state, "clients": result.client_states}, tmp)
     with atomic_path(metrics_out, suffix=".parquet") as tmp:
         result.metrics.to_parquet(tmp, index=False)
     if checkpoint_path and Path(checkpoint_path).exists():

@@ -2,6 +2,7 @@
 import glob as _glob
 
 import fedcore
+from fedcore.config import run_backbones
 from fedcore.methods import method_class, method_source
 
 SCALE = CFG.scale
@@ -15,7 +16,7 @@ wildcard_constraints:
     backbone=r"[A-Za-z0-9_]+",
     name=r"[A-Za-z0-9_]+",
     weights_file=r"[A-Za-z0-9_.\-]+",
-    block=r"\d+",
+    artifact=r"[a-z_]+[0-9]*",
 
 # The fedcore package actually imported (an editable install or PYTHONPATH), so code edits are tracked;
 # relative to the working directory when it lies inside it, so moving the checkout reruns nothing.
@@ -27,7 +28,9 @@ if FEDCORE.resolve().is_relative_to(Path.cwd().resolve()):
 ENGINE_SOURCES = sorted(
     _glob.glob(str(FEDCORE / "engine" / "*.py"))
     + [str(FEDCORE / f) for f in ("backbones/images.py", "backbones/prompted.py", "backbones/vit.py",
-                                  "train.py", "methods/base.py", "methods/__init__.py", "io.py")]
+                                  "backbones/registry.py", "backbones/resnet.py",
+                                  "train.py", "methods/base.py", "methods/__init__.py", "io.py", "metrics.py",
+                                  "artifacts.py")]
 )
 
 
@@ -77,16 +80,11 @@ def partition_spec(wildcards):
     return CFG.partitions()[(wildcards.dataset, wildcards.pid)]
 
 
-def select_queries_file(exp_name, method):
-    """The cached Select queries a run reads, or None if its method does not use them."""
-    base = CFG.base_method(method)
-    if not method_class(base).uses_select_queries:
-        return None
+def artifact_files(exp_name, method):
+    """Per-sample artifacts a run reads (Method.artifacts): batch extras name -> file built by rule features."""
     exp = CFG.experiments[exp_name]
-    block = CFG.method_params(exp_name, method).get("select_block", method_class(base).defaults.get("select_block"))
-    if block is None:
-        raise ValueError(f"experiment {exp_name}: method {method} needs method_params.select_block")
-    return f"{RESULTS}/features/{exp['backbone']}/{exp['dataset']}/select_block{block}.npz"
+    keys = method_class(CFG.base_method(method)).artifacts(CFG.method_params(exp_name, method))
+    return {name: f"{RESULTS}/features/{exp['backbone']}/{exp['dataset']}/{key}.npz" for name, key in keys.items()}
 
 
 def train_inputs(wildcards):
@@ -95,13 +93,21 @@ def train_inputs(wildcards):
     out = {
         "dataset": dataset_file(exp["dataset"]),
         "partition": partition_file(wildcards.experiment, wildcards.seed),
-        "backbone": backbone_file(exp["backbone"]),
+        "backbone": [backbone_file(b) for b in run_backbones(exp)] if "client_backbones" in exp
+        else backbone_file(exp["backbone"]),
         "code": ENGINE_SOURCES + [str(FEDCORE / "methods" / method_source(base).name)],
     }
-    queries = select_queries_file(wildcards.experiment, wildcards.method)
-    if queries:
-        out["select_queries"] = queries
+    for name, path in artifact_files(wildcards.experiment, wildcards.method).items():
+        out[f"artifact_{name}"] = path
     return out
+
+
+def run_archs(experiment):
+    """The arch of a run's backbone, or the list of archs of its client backbones."""
+    exp = CFG.experiments[experiment]
+    if "client_backbones" in exp:
+        return [CFG.backbones[b]["arch"] for b in run_backbones(exp)]
+    return CFG.backbones[exp["backbone"]]["arch"]
 
 
 def identity(wildcards):

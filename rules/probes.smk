@@ -33,7 +33,7 @@ def congruence_points(name):
 def congruence_inputs(wildcards):
     fig = _probe_cfg(wildcards.name, "congruence")
     exp = fig["experiment"]
-    files = {select_queries_file(exp, p["method"]) for p in fig["points"]} - {None}
+    files = {artifact_files(exp, p["method"]).get("select_query") for p in fig["points"]} - {None}
     if len(files) != 1:
         raise ValueError(f"figure {wildcards.name}: the swept runs must share one Select-queries file, got {sorted(files)}")
     return {

@@ -12,7 +12,7 @@ rule train:
     params:
         cfg=lambda wc: CFG.train_params(wc.experiment, wc.method),
         identity=identity,
-        arch=lambda wc: CFG.backbones[CFG.experiments[wc.experiment]["backbone"]]["arch"],
+        arch=lambda wc: run_archs(wc.experiment),
         checkpoint=lambda wc: f"{run_dir(wc.experiment, wc.method, wc.seed)}/checkpoint.pt",
         device=CFG.top["device"],
         threads=CFG.top["threads_per_run"],

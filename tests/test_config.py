@@ -149,3 +149,44 @@ def test_scale_dataset_mapping_must_exist(tmp_path):
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(ConfigError, match=r"mini.yaml at datasets.cifar100: 'digitz' is not one of"):
         load_config(DEFAULT, root)
+
+
+def _edit_mini(root: Path, edit) -> None:
+    """Apply ``edit`` to the mini scale file of a copied config."""
+    path = root / "config" / "scales" / "mini.yaml"
+    doc = yaml.safe_load(path.read_text())
+    edit(doc)
+    path.write_text(yaml.safe_dump(doc))
+
+
+@pytest.mark.parametrize("key, value", [("select_block", 4), ("group_blocks", [2, 7]), ("shared_blocks", [-1])])
+def test_block_indices_are_checked_against_the_backbone_depth(tmp_path, key, value):
+    root = _copy_config(tmp_path)
+    _edit_mini(root, lambda d: d["experiments"]["sgpt_office"]["method_params"]["sgpt"].update({key: value}))
+    with pytest.raises(ConfigError, match=rf"method 'sgpt' has {key}=.*backbone 'vit_mini' \(vit_mini\) has "
+                                          r"blocks 0\.\.3"):
+        load_config(DEFAULT, root)
+
+
+def test_a_variants_block_indices_are_checked_too(tmp_path):
+    root = _copy_config(tmp_path)  # sgpt_group_to3 puts group prompts on blocks 1..3: fine on 4 blocks ...
+    load_config(DEFAULT, root)
+    _edit_mini(root, lambda d: d["variants"]["sgpt_group_to3"]["params"].update({"group_blocks": [1, 2, 3, 4]}))
+    with pytest.raises(ConfigError, match=r"method 'sgpt_group_to3' has group_blocks=\[1, 2, 3, 4\]"):
+        load_config(DEFAULT, root)                 # ... but not on a fifth
+
+
+def test_client_backbones_resolve_per_client_and_are_checked(tmp_path):
+    root = _copy_config(tmp_path)
+    exp_file = root / "config" / "experiments" / "sgpt.yaml"
+    doc = yaml.safe_load(exp_file.read_text())
+    doc["experiments"]["sgpt_office"]["client_backbones"] = ["vit_b16_in21k"] * 4
+    exp_file.write_text(yaml.safe_dump(doc))
+    cfg = load_config(DEFAULT, root)
+    assert cfg.experiments["sgpt_office"]["client_backbones"] == ["vit_mini"] * 4
+    assert cfg.train_params("sgpt_office", "fedvpt")["client_backbones"] == [0, 0, 0, 0]
+    assert "client_backbones" not in cfg.train_params("sgpt_five", "fedvpt")  # homogeneous runs keep their params
+    doc["experiments"]["sgpt_office"]["client_backbones"] = ["vit_b16_in21k", "vit_huge"]
+    exp_file.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"client_backbones\[1\]: 'vit_huge' is not one of"):
+        load_config(DEFAULT, root)

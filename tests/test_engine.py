@@ -121,9 +121,11 @@ def test_frozen_backbone_is_not_changed_by_prompt_methods(tiny_run_files, tmp_pa
 
     vit = build_vit("vit_mini", tiny_run_files["weights"])
     before = {k: v.clone() for k, v in vit.state_dict().items()}
+    from fedcore.engine.data import Batch
+
     method = method_class("fedvpt_d")(PromptedViT(vit), 4, {})
     x = torch.randn(8, 3, 16, 16)
-    loss = method.loss(x, torch.arange(8) % 4)
+    loss = method.client.loss(method.model, Batch(x, torch.arange(8) % 4, torch.arange(8), {}))
     loss.backward()
     assert all(p.grad is None for p in vit.parameters())
     assert all(p.grad is not None for p in method.model.prompts)
@@ -142,14 +144,14 @@ def test_unknown_method_param_is_rejected(tiny_run_files):
 def test_cached_features_give_the_same_numbers_as_the_full_forward(tiny_run_files, tmp_path, monkeypatch):
     """Head-Tune's feature cache is a pure speed-up: metrics equal those of running the backbone each step."""
     import fedcore.train
-    from fedcore.methods.base import Method
+    from fedcore.engine.roles import Client, Evaluator
     from fedcore.methods.head_tune import HeadTune
 
     class Uncached(HeadTune):
+        client_role, evaluator_role = Client, Evaluator
+
         def frozen_features(self):
             return None
-
-        loss, predict = Method.loss, Method.predict
 
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     cached = _train(tiny_run_files, tmp_path / "a", method="head_tune", ckpt=False).metrics
@@ -195,14 +197,14 @@ def uneven_files(tiny_run_files, tmp_path):
 
 @pytest.mark.parametrize("method", ["fedvpt", "fedvpt_d", "local"])
 def test_clients_trained_together_equal_clients_trained_one_by_one(uneven_files, tmp_path, monkeypatch, method):
-    """The batched round (fedcore/engine/batched.py) is a pure speed-up of the one-by-one loop, also when
-    clients run out of batches at different steps."""
+    """Training a round's clients together (fedcore/engine/together.py) is a pure speed-up of the one-by-one
+    loop, also when clients run out of batches at different steps."""
     import fedcore.engine.loop as loop
 
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     kw = dict(method=method, ckpt=False, rounds=3, participation=1.0, local_epochs=2)
     together = _train(uneven_files, tmp_path / "a", **kw)
-    monkeypatch.setattr(loop, "can_batch", lambda *a: False)
+    monkeypatch.setattr(loop, "_why_not_together", lambda method: "forced one by one")
     one_by_one = _train(uneven_files, tmp_path / "b", **kw)
     a, b = together.metrics, one_by_one.metrics
     pd.testing.assert_frame_equal(a.drop(columns="value"), b.drop(columns="value"))

@@ -8,7 +8,7 @@ import torch
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import backbone_info, build_vit
 from fedcore.data.arrays import save_bundle
-from fedcore.engine.data import DeviceSplit, InputPipeline, QueryBatch, iterate_batches
+from fedcore.engine.data import Batch, DeviceSplit, InputPipeline, iterate_batches
 from fedcore.features import compute_select_queries, layer_features, load_select_queries, read_select_queries
 from tests.conftest import synthetic_bundle
 
@@ -25,6 +25,14 @@ def test_layer_features_equal_a_stopped_forward():
         for b in (1, 3):
             ref = backbone.forward_tokens(x, None, stop_block=b)[:, 0].numpy()
             np.testing.assert_allclose(feats[b], ref, atol=1e-5)
+    # the same rows in the same batches: bit for bit the stopped forward's CLS
+    one = layer_features(backbone, split, pipe, [3, 0], batch_size=len(split.y))
+    with torch.no_grad():
+        for b in (0, 3):
+            assert np.array_equal(one[b], backbone.forward_tokens(x, None, stop_block=b)[:, 0].numpy())
+    some = layer_features(backbone, split, pipe, [2], batch_size=3, indices=torch.tensor([4, 0, 4]))
+    np.testing.assert_array_equal(some[2][0], some[2][2])
+    assert layer_features(backbone, split, pipe, [2], indices=torch.tensor([], dtype=torch.long))[2].shape == (0, 64)
 
 
 def test_select_queries_file_round_trip_and_checks(tmp_path):
@@ -36,10 +44,10 @@ def test_select_queries_file_round_trip_and_checks(tmp_path):
     train, test, meta = read_select_queries(tmp_path / "q.npz")
     assert train.shape == (30, 64) and test.shape == (10, 64) and meta["block"] == 2
     tr, te = load_select_queries(tmp_path / "q.npz", 30, 10, 2, torch.device("cpu"))
-    split = DeviceSplit(torch.from_numpy(bundle.train.x), torch.from_numpy(bundle.train.y), queries=tr)
+    split = DeviceSplit(torch.from_numpy(bundle.train.x), torch.from_numpy(bundle.train.y), extras={"query": tr})
     pipe = InputPipeline(16, (0.5,) * 3, (0.5,) * 3)
-    batch, _ = next(iterate_batches(split, torch.arange(5), 5, pipe))
-    assert isinstance(batch, QueryBatch) and torch.equal(batch.query, tr[:5])   # batches carry their queries
+    batch = next(iterate_batches(split, torch.arange(5), 5, pipe))
+    assert isinstance(batch, Batch) and torch.equal(batch.extras["query"], tr[:5])   # batches carry their queries
     with pytest.raises(ValueError, match="31/10"):
         load_select_queries(tmp_path / "q.npz", 31, 10, 2, torch.device("cpu"))
     with pytest.raises(FileNotFoundError, match="select_features"):

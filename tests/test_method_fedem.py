@@ -13,7 +13,10 @@ from conftest import identity, run_params, synthetic_bundle
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import build_vit
 from fedcore.data.arrays import save_bundle
-from fedcore.methods.base import ClientData, PromptClassifier, TrainSettings
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData, TrainSettings
+from fedcore.engine.roles import FitResult, RoundInfo, load_state, module_state
+from fedcore.methods.base import PromptClassifier
 from fedcore.methods.fedem import FedEM, responsibilities
 from fedcore.partition import make_partition
 from fedcore.train import train_run
@@ -35,14 +38,24 @@ def _client(x: torch.Tensor, y: torch.Tensor, batch: int = 8) -> ClientData:
     def batches():
         order = torch.randperm(len(y), generator=g)
         for s in range(0, len(y), batch):
-            yield x[order[s:s + batch]], y[order[s:s + batch]]
+            idx = order[s:s + batch]
+            yield Batch(x[idx], y[idx], idx, {})
     return ClientData(0, len(y), batches, g)
+
+
+def _predict(m: FedEM, x: torch.Tensor) -> torch.Tensor:
+    """The evaluator's prediction for a batch of images (labels unused)."""
+    return m.evaluator.predict(m.model, Batch(x, torch.zeros(len(x), dtype=torch.long), torch.arange(len(x)), {}))
+
+
+def _shared(m: FedEM) -> list[str]:
+    return m.client.shared_keys(m.keys(0))
 
 
 def test_state_ownership_components_shared_and_mixture_weights_personal():
     m = _method()
-    assert m.personal_names() == ["pi"] and "pi" not in m.shared_names()
-    assert set(m.shared_names()) == {"prompts", "head.weight", "head.bias"}
+    assert m.client.personal_keys(m.keys(0)) == ["pi"] and "pi" not in _shared(m)
+    assert set(_shared(m)) == {"prompts", "head.weight", "head.bias"}
     assert not m.model.pi.requires_grad and torch.allclose(m.model.pi, torch.full((3,), 1 / 3))
     assert m.model.prompts.shape == (3, 1, 64) and m.model.head.weight.shape == (3, 4, 64)
     # independent inits: identical components would receive identical updates and never separate
@@ -66,7 +79,7 @@ def test_component_logits_equal_each_component_run_on_its_own():
     x, _ = _data(6)
     stacked = m.model.component_logits(x)
     for k in range(3):
-        single = PromptClassifier(m.backbone, 4, "shallow", 1)
+        single = PromptClassifier(m.backbones[0], 4, "shallow", 1)
         with torch.no_grad():
             single.prompts[0].copy_(m.model.prompts[k])
             single.head.weight.copy_(m.model.head.weight[k])
@@ -78,25 +91,30 @@ def test_prediction_is_the_pi_weighted_mixture_of_component_softmaxes():
     m = _method()
     x, _ = _data(6)
     pi = torch.tensor([0.6, 0.1, 0.3])
-    m.set_state({"pi": pi})
+    load_state(m.model, {"pi": pi})
     probs = F.softmax(m.model.component_logits(x).detach(), dim=-1)
     expected = (pi[:, None, None] * probs).sum(0)
-    assert torch.allclose(m.predict(x).exp(), expected, atol=1e-6)
-    m.set_state({"pi": torch.tensor([0.0, 0.0, 1.0])})  # a one-hot pi predicts with that component alone
-    assert torch.allclose(m.predict(x), F.log_softmax(m.model.component_logits(x)[2], -1), atol=1e-5)
+    assert torch.allclose(_predict(m, x).exp(), expected, atol=1e-6)
+    load_state(m.model, {"pi": torch.tensor([0.0, 0.0, 1.0])})  # a one-hot pi predicts with that component alone
+    assert torch.allclose(_predict(m, x), F.log_softmax(m.model.component_logits(x)[2], -1), atol=1e-5)
 
 
 def test_local_update_sets_pi_to_mean_responsibilities_and_weights_the_m_step():
     m = _method()
     x, y = _data(16)
     pi = torch.tensor([0.5, 0.5, 0.0])  # component 2 is responsible for nothing on this client
-    m.set_state({"pi": pi})
-    start = m.get_state(m.trainable_names())
+    load_state(m.model, {"pi": pi})
+    start = module_state(m.model, m.keys(0))  # the components and pi
     with torch.no_grad():
         losses = F.cross_entropy(m.model.component_logits(x).flatten(0, 1), y.repeat(3), reduction="none")
         expected_pi = responsibilities(losses.view(3, -1), pi).mean(1)
-    m.local_update(_client(x, y), TrainSettings(2, 8, {"name": "sgd", "lr": 0.1, "momentum": 0.9}))
-    end = m.get_state(m.trainable_names())
+    downlink = m.strategy.configure({"model": module_state(m.model, _shared(m))}, 0)
+    new_state, result = m.client.fit(0, {"model": {"pi": pi}}, downlink, _client(x, y),
+                                     TrainSettings(2, 8, {"name": "sgd", "lr": 0.1, "momentum": 0.9}))
+    end = module_state(m.model, m.keys(0))
+    assert set(new_state["model"]) == {"pi"} and torch.equal(new_state["model"]["pi"], end["pi"])  # pi stays
+    assert set(result.uplink["model"]) == set(_shared(m))                                        # components go up
+    assert all(torch.equal(result.uplink["model"][n], end[n]) for n in _shared(m))
     assert torch.allclose(end["pi"], expected_pi, atol=1e-6) and abs(float(end["pi"].sum()) - 1) < 1e-6
     assert not torch.allclose(end["pi"], pi)
     for name in ("prompts", "head.weight", "head.bias"):
@@ -106,10 +124,11 @@ def test_local_update_sets_pi_to_mean_responsibilities_and_weights_the_m_step():
 
 def test_aggregation_averages_each_component_by_sample_size():
     m = _method()
-    names = m.shared_names()
+    names = _shared(m)
     g = torch.Generator().manual_seed(3)
-    ups = [{n: torch.randn(t.shape, generator=g) for n, t in m.get_state(names).items()} for _ in range(2)]
-    new = m.aggregate(m.get_state(names), ups, [30.0, 10.0], m.init_server_state())
+    ups = [{n: torch.randn(t.shape, generator=g) for n, t in module_state(m.model, names).items()} for _ in range(2)]
+    results = [FitResult(0, 30, {"model": ups[0]}, {}), FitResult(1, 10, {"model": ups[1]}, {})]
+    new = m.strategy.aggregate(RoundInfo(1, 2, 1.0, 0), m.strategy.init_state(2), results)["model"]
     assert set(new) == set(names)  # pi never reaches the server
     for n in names:
         for k in range(3):

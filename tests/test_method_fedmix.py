@@ -13,7 +13,9 @@ from conftest import identity, run_params, synthetic_bundle
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import build_vit
 from fedcore.data.arrays import save_bundle
-from fedcore.methods.base import ClientData, TrainSettings
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData, TrainSettings
+from fedcore.engine.roles import FitResult, module_state
 from fedcore.methods.fedmix import FedMix, client_means, fedmix_loss
 from fedcore.partition import make_partition
 from fedcore.train import train_run
@@ -23,13 +25,21 @@ def _client(x: torch.Tensor, y: torch.Tensor, batch: int = 4, cid: int = 0) -> C
     """ClientData over x, y in their given order (no shuffle), so the groups are known."""
     def batches():
         for s in range(0, len(y), batch):
-            yield x[s:s + batch], y[s:s + batch]
+            idx = torch.arange(s, min(s + batch, len(y)))
+            yield Batch(x[idx], y[idx], idx, {})
     return ClientData(cid, len(y), batches, torch.Generator().manual_seed(cid))
 
 
 def _method(**params) -> FedMix:
     torch.manual_seed(0)
     return FedMix(PromptedViT(build_vit("vit_mini")), 4, params)
+
+
+def _setup(m: FedMix, clients: list[ClientData]) -> dict:
+    """The run's once-per-run exchange: every client's setup uplink, pooled into a fresh server state."""
+    server = m.strategy.init_state(len(clients))
+    m.strategy.setup(server, [FitResult(c.cid, c.num_samples, m.client.setup(c.cid, c), {}) for c in clients])
+    return server
 
 
 def test_client_means_are_group_averages_of_inputs_and_one_hot_labels():
@@ -52,13 +62,14 @@ def test_setup_pools_every_clients_means_in_server_state():
     xs = [torch.randn(n, 3, 16, 16, generator=g) for n in (4, 7)]
     ys = [torch.randint(0, 4, (n,), generator=g) for n in (4, 7)]
     clients = [_client(x, y, cid=c) for c, (x, y) in enumerate(zip(xs, ys))]
-    state: dict = {}
-    m.setup(clients, state)
+    state = _setup(m, clients)
     assert state["fedmix_x"].shape == (2 + 3, 3, 16, 16) and state["fedmix_x"].dtype == torch.float16
     assert torch.allclose(state["fedmix_y"].sum(1), torch.ones(5))
     assert torch.allclose(state["fedmix_x"][2].float(), xs[1][0:2].mean(0), atol=2e-3)  # client 1's first mean
-    with pytest.raises(ValueError, match="lam must lie in"):
-        _method(lam=1.0).setup(clients, {})
+    downlink = m.strategy.configure(state, 1)  # every client receives the whole pool
+    assert torch.equal(downlink["fedmix_x"], state["fedmix_x"]) and torch.equal(downlink["fedmix_y"], state["fedmix_y"])
+    with pytest.raises(ValueError, match="lam must lie in"):  # checked when the method is built, before setup
+        _method(lam=1.0)
 
 
 def test_loss_is_plain_cross_entropy_at_lambda_zero():
@@ -112,11 +123,12 @@ def test_local_update_trains_with_the_pooled_means():
     m = _method()
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(12, 3, 16, 16, generator=g), torch.arange(12) % 4
-    m.server_state = {}
-    m.setup([_client(x, y)], m.server_state)
-    before = {n: t.clone() for n, t in m.get_state(m.trainable_names()).items()}
-    stats = m.local_update(_client(x, y, batch=6), TrainSettings(1, 6, {"name": "sgd", "lr": 0.1}))
-    after = m.get_state(m.trainable_names())
+    server = _setup(m, [_client(x, y)])
+    before = {n: t.clone() for n, t in module_state(m.model, m.trainable_keys(0)).items()}
+    _, result = m.client.fit(0, m.client.init_state(0), m.strategy.configure(server, 0), _client(x, y, batch=6),
+                             TrainSettings(1, 6, {"name": "sgd", "lr": 0.1}))
+    stats = result.stats
+    after = module_state(m.model, m.trainable_keys(0))
     assert np.isfinite(stats["loss"])
     assert all(not torch.equal(before[n], after[n]) for n in before)  # prompts and head both move
 

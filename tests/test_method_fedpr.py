@@ -12,7 +12,9 @@ from conftest import identity, run_params, synthetic_bundle
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import build_vit
 from fedcore.data.arrays import save_bundle
-from fedcore.methods.base import ClientData, TrainSettings
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData, TrainSettings
+from fedcore.engine.roles import FitResult, RoundInfo, load_state, module_state
 from fedcore.methods.fedpr import FedPR, project_out, protected_basis
 from fedcore.partition import make_partition
 from fedcore.train import train_run
@@ -36,8 +38,29 @@ def _client(n: int = 24, batch: int = 8, seed: int = 0) -> ClientData:
     def batches():
         order = torch.randperm(n, generator=g)
         for s in range(0, n, batch):
-            yield x[order[s:s + batch]], y[order[s:s + batch]]
+            idx = order[s:s + batch]
+            yield Batch(x[idx], y[idx], idx, {})
     return ClientData(0, n, batches, g)
+
+
+def _shared(m: FedPR) -> list[str]:
+    return m.client.shared_keys(m.keys(0))
+
+
+def _prompt_names(m: FedPR) -> list[str]:
+    """The per-block prompt tensors, the ones whose updates are projected."""
+    return [n for n in m.trainable_keys(0) if n.startswith("prompts.")]
+
+
+def _aggregate(m: FedPR, server: dict, uploads: list[dict], weights: list[float]) -> dict:
+    """The strategy's next server state from one round's uploaded models."""
+    results = [FitResult(c, w, {"model": u}, {}) for c, (u, w) in enumerate(zip(uploads, weights, strict=True))]
+    return m.strategy.aggregate(RoundInfo(1, len(results), 1.0, 0), server, results)
+
+
+def _fit(m: FedPR, server: dict, settings: TrainSettings) -> None:
+    """One local update of client 0 from the server state's downlink (its model is left in ``m.model``)."""
+    m.client.fit(0, m.client.init_state(0), m.strategy.configure(server, 0), _client(), settings)
 
 
 def test_protected_basis_of_one_prompt_token_is_its_direction():
@@ -72,15 +95,17 @@ def test_project_out_leaves_no_component_in_the_protected_subspace():
 
 def test_aggregate_is_fedavg_and_stores_the_global_prompts_directions():
     m = _method()
-    names = m.shared_names()
+    names = _shared(m)
     assert sum(n.startswith("prompts.") for n in names) == 4             # VPT-deep: one token per vit_mini block
-    server = m.init_server_state()
-    a = {n: torch.randn_like(t) for n, t in m.get_state(names).items()}
+    server = m.strategy.init_state(2)
+    assert server["fedpr_basis"] == {} and server["fedpr_cov"] == {}   # round 1: nothing protected
+    a = {n: torch.randn_like(t) for n, t in module_state(m.model, names).items()}
     b = {n: torch.randn_like(t) for n, t in a.items()}
-    new = m.aggregate(m.get_state(names), [a, b], [1.0, 3.0], server)
+    server = _aggregate(m, server, [a, b], [1, 3])
+    new = server["model"]
     for n in names:
         assert torch.allclose(new[n], 0.25 * a[n] + 0.75 * b[n], atol=1e-6)
-    for n in m.prompt_names():
+    for n in _prompt_names(m):
         basis = server["fedpr_basis"][n]
         assert basis.shape == (64, 1)
         p = new[n].double()
@@ -90,12 +115,13 @@ def test_aggregate_is_fedavg_and_stores_the_global_prompts_directions():
 
 def test_accumulated_covariance_protects_every_past_global_prompt():
     m = _method(accumulate=True)
-    names = m.shared_names()
-    server = m.init_server_state()
-    firsts = m.aggregate(m.get_state(names), [{n: torch.randn_like(t) for n, t in m.get_state(names).items()}],
-                         [1.0], server)
-    seconds = m.aggregate(firsts, [{n: torch.randn_like(t) for n, t in firsts.items()}], [1.0], server)
-    for n in m.prompt_names():
+    names = _shared(m)
+    server = m.strategy.init_state(1)
+    server = _aggregate(m, server, [{n: torch.randn_like(t) for n, t in module_state(m.model, names).items()}], [1])
+    firsts = server["model"]
+    server = _aggregate(m, server, [{n: torch.randn_like(t) for n, t in firsts.items()}], [1])
+    seconds = server["model"]
+    for n in _prompt_names(m):
         basis = server["fedpr_basis"][n]
         assert basis.shape == (64, 2)
         for p in (firsts[n], seconds[n]):  # both rounds' prompts lie in the protected span
@@ -104,26 +130,24 @@ def test_accumulated_covariance_protects_every_past_global_prompt():
 
 def test_local_update_moves_prompts_only_in_the_null_space_of_the_global_prompts():
     m = _method()
-    names = m.shared_names()
-    start = m.get_state(names)
-    m.server_state = m.init_server_state()
-    m.aggregate(start, [start], [1.0], m.server_state)  # the current prompts become the global ones
-    m.local_update(_client(), TrainSettings(2, 8, SGD))
-    end = m.get_state(names)
-    for n in m.prompt_names():
+    names = _shared(m)
+    start = module_state(m.model, names)
+    server = _aggregate(m, m.strategy.init_state(1), [start], [1])  # the current prompts become the global ones
+    _fit(m, server, TrainSettings(2, 8, SGD))
+    end = module_state(m.model, names)
+    for n in _prompt_names(m):
         delta = end[n] - start[n]
-        basis = m.server_state["fedpr_basis"][n]
+        basis = server["fedpr_basis"][n]
         assert delta.norm() > 1e-3                                  # the prompt did train ...
         assert (delta @ basis).abs().max() < 1e-6                   # ... but only orthogonally to the global one
     assert not torch.equal(end["head.weight"], start["head.weight"])  # the head is not projected
 
     # the same update without a protected subspace (round 1) does move along the global prompts
-    m.set_state(start)
-    protected = m.server_state["fedpr_basis"]
-    m.server_state = m.init_server_state()
-    m.local_update(_client(), TrainSettings(2, 8, SGD))
-    free = m.get_state(names)
-    assert max(float(((free[n] - start[n]) @ protected[n]).abs().max()) for n in m.prompt_names()) > 1e-4
+    load_state(m.model, start)
+    protected = server["fedpr_basis"]
+    _fit(m, {**m.strategy.init_state(1), "model": start}, TrainSettings(2, 8, SGD))
+    free = module_state(m.model, names)
+    assert max(float(((free[n] - start[n]) @ protected[n]).abs().max()) for n in _prompt_names(m)) > 1e-4
 
 
 @pytest.fixture(scope="module")

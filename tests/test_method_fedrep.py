@@ -11,7 +11,9 @@ from conftest import identity, run_params
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import build_vit
 from fedcore.methods import method_class
-from fedcore.methods.base import ClientData, TrainSettings
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData, TrainSettings
+from fedcore.engine.roles import FitResult, RoundInfo, load_state, module_state
 from fedcore.train import train_run
 
 HEAD, BODY = ["head.weight", "head.bias"], ["prompts.0"]
@@ -25,8 +27,13 @@ def _method(**params):
 
 def _client(cid: int = 0) -> ClientData:
     g = torch.Generator().manual_seed(cid)
-    batches = [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(2)]
+    batches = [Batch(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 4, (8,), generator=g),
+                     torch.arange(8 * i, 8 * i + 8), {}) for i in range(2)]
     return ClientData(cid, 16, lambda: iter(batches), torch.Generator())
+
+
+def _requires_grad(method) -> list[str]:
+    return [n for n, p in method.model.named_parameters() if p.requires_grad]
 
 
 def _changed(before: dict, after: dict) -> set[str]:
@@ -35,42 +42,48 @@ def _changed(before: dict, after: dict) -> set[str]:
 
 def test_head_phase_freezes_prompts_and_body_phase_freezes_head():
     method = _method()
-    method.set_state({"head.weight": 0.1 * torch.randn(4, 64)})  # a nonzero head: prompts get a gradient
-    names = method.trainable_names()
-    assert method.shared_names() == BODY and method.personal_names() == HEAD
+    load_state(method.model, {"head.weight": 0.1 * torch.randn(4, 64)})  # a nonzero head: prompts get a gradient
+    names = method.trainable_keys(0)
+    assert _requires_grad(method) == names
+    keys = method.keys(0)
+    assert method.client.shared_keys(keys) == BODY and method.client.personal_keys(keys) == HEAD
 
-    before = method.get_state(names)
-    method.train_phase(HEAD, _client(), TrainSettings(2, 8, SETTINGS), 2)
-    mid = method.get_state(names)
+    before = module_state(method.model, names)
+    method.client.train_phase(method.model, HEAD, _client(), TrainSettings(2, 8, SETTINGS), 2)
+    mid = module_state(method.model, names)
     assert _changed(before, mid) == set(HEAD)
     assert method.model.prompts[0].grad is None  # no gradient was even computed for the frozen prompts
 
-    method.train_phase(BODY, _client(), TrainSettings(2, 8, SETTINGS), 2)
-    after = method.get_state(names)
+    method.client.train_phase(method.model, BODY, _client(), TrainSettings(2, 8, SETTINGS), 2)
+    after = module_state(method.model, names)
     assert _changed(mid, after) == set(BODY)
-    assert method.trainable_names() == names  # the phases restore requires_grad
+    assert _requires_grad(method) == names  # the phases restore requires_grad
 
 
 def test_local_update_runs_head_epochs_then_body_epochs_within_the_budget(monkeypatch):
     method = _method()
-    assert method.epochs(5) == (4, 1) and method.epochs(2) == (1, 1) and method.epochs(1) == (1, 1)
-    assert _method(head_epochs=3, body_epochs=2).epochs(5) == (3, 2)
+    client = method.client
+    assert client.epochs(5) == (4, 1) and client.epochs(2) == (1, 1) and client.epochs(1) == (1, 1)
+    assert _method(head_epochs=3, body_epochs=2).client.epochs(5) == (3, 2)
     calls = []
-    monkeypatch.setattr(method, "train_phase",
-                        lambda names, data, settings, epochs: calls.append((names, epochs)) or {"loss": float(epochs)})
-    stats = method.local_update(_client(), TrainSettings(5, 8, SETTINGS))
+    monkeypatch.setattr(client, "train_phase", lambda model, names, data, settings, epochs:
+                        calls.append((names, epochs)) or {"loss": float(epochs)})
+    downlink = method.strategy.configure(method.strategy.init_state(1), 0)
+    _, result = client.fit(0, client.init_state(0), downlink, _client(), TrainSettings(5, 8, SETTINGS))
+    stats = result.stats
     assert calls == [(HEAD, 4), (BODY, 1)]
     assert stats["loss"] == pytest.approx((4 * 4 + 1 * 1) / 5)  # epoch-weighted mean of the two phases
 
 
 def test_upload_and_aggregate_average_prompts_only():
     method = _method()
-    uploads = []
-    for cid, value in ((0, 1.0), (1, 4.0)):
-        method.set_state({"prompts.0": torch.full((1, 64), value), "head.weight": torch.full((4, 64), value)})
-        uploads.append(method.upload(_client(cid), {}))
-    assert all(set(u) == set(BODY) for u in uploads)  # heads never leave the client
-    glob = method.aggregate({"prompts.0": torch.zeros(1, 64)}, uploads, [1.0, 3.0], {})
+    results = []
+    for cid, (value, n) in enumerate(((1.0, 1), (4.0, 3))):
+        load_state(method.model, {"prompts.0": torch.full((1, 64), value), "head.weight": torch.full((4, 64), value)})
+        results.append(FitResult(cid, n, method.client.upload(method.model, cid, _client(cid), {}), {}))
+    assert all(set(r.uplink) == {"model"} and set(r.uplink["model"]) == set(BODY) for r in results)  # heads stay
+    server = {**method.strategy.init_state(2), "model": {"prompts.0": torch.zeros(1, 64)}}
+    glob = method.strategy.aggregate(RoundInfo(1, 2, 1.0, 0), server, results)["model"]
     assert set(glob) == set(BODY) and torch.allclose(glob["prompts.0"], torch.full((1, 64), 3.25))
 
 

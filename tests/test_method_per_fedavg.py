@@ -13,7 +13,9 @@ from conftest import identity, run_params
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import build_vit
 from fedcore.methods import method_class
-from fedcore.methods.base import ClientData, TrainSettings
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData, TrainSettings
+from fedcore.engine.roles import load_state, module_state
 from fedcore.methods.per_fedavg import halves
 from fedcore.train import train_run
 
@@ -31,13 +33,27 @@ def _batches(n: int, size: int = 8, seed: int = 0) -> list[tuple[torch.Tensor, t
 
 
 def _client(batches) -> ClientData:
-    return ClientData(0, sum(len(y) for _, y in batches), lambda: iter(batches), torch.Generator())
+    as_batches = [Batch(x, y, torch.arange(len(y)), {}) for x, y in batches]
+    return ClientData(0, sum(len(y) for _, y in batches), lambda: iter(as_batches), torch.Generator())
+
+
+def _eval_state(method, cid: int, state: dict[str, torch.Tensor], data: ClientData) -> dict[str, torch.Tensor]:
+    """The model that scores client ``cid`` when the server's model is ``state`` (it keeps no personal tensors)."""
+    method.evaluator.load(method.model, cid, {"model": state}, method.client.init_state(cid), data)
+    return module_state(method.model, NAMES)
+
+
+def _local_update(method, state: dict[str, torch.Tensor], data: ClientData, settings: TrainSettings) -> dict:
+    """One local update of client 0 from the global model ``state``; returns its stats (the model stays trained)."""
+    downlink = method.strategy.configure({"model": state}, 0)
+    _, result = method.client.fit(0, method.client.init_state(0), downlink, data, settings)
+    return result.stats
 
 
 def _perturbed_state(method) -> dict[str, torch.Tensor]:
     """A global state away from initialisation (a nonzero head makes the prompt gradient nonzero)."""
     g = torch.Generator().manual_seed(3)
-    return {n: t + 0.1 * torch.randn(t.shape, generator=g) for n, t in method.get_state(NAMES).items()}
+    return {n: t + 0.1 * torch.randn(t.shape, generator=g) for n, t in module_state(method.model, NAMES).items()}
 
 
 def _ce_grads(method, state: dict[str, torch.Tensor], x, y) -> dict[str, torch.Tensor]:
@@ -60,12 +76,12 @@ def test_eval_state_is_one_sgd_step_of_size_alpha_on_a_train_batch():
     method = _method(alpha=alpha)
     state = _perturbed_state(method)
     (x, y), = batches = _batches(1)
-    out = method.eval_state(0, state, {}, {}, _client(batches))
+    out = _eval_state(method, 0, state, _client(batches))
     assert any(not torch.allclose(out[n], state[n]) for n in NAMES)  # evaluation uses an adapted model
     assert all(not torch.equal(out[n], state[n]) for n in NAMES)
 
     # the head's gradient by hand: d CE / d W = (softmax - onehot)^T feats / B
-    method.set_state(state)
+    load_state(method.model, state)
     with torch.no_grad():
         feats = method.model.features(x)
         err = (torch.softmax(feats @ state["head.weight"].T + state["head.bias"], dim=1)
@@ -81,7 +97,7 @@ def test_eval_state_takes_eval_steps_steps_on_successive_batches():
     method = _method(alpha=alpha, eval_steps=2)
     state = _perturbed_state(method)
     batches = _batches(2)
-    out = method.eval_state(0, state, {}, {}, _client(batches))
+    out = _eval_state(method, 0, state, _client(batches))
     w = dict(state)
     for x, y in batches:
         g = _ce_grads(method, w, x, y)
@@ -94,11 +110,10 @@ def test_local_step_is_the_first_order_meta_step():
     alpha, beta, wd = 0.5, 0.2, 0.01
     method = _method(alpha=alpha, beta=beta)
     state = _perturbed_state(method)
-    method.set_state(state)
     batches = _batches(1)
     settings = TrainSettings(1, 8, {"name": "sgd", "lr": 123.0, "momentum": 0.9, "weight_decay": wd})
-    stats = method.local_update(_client(batches), settings)
-    out = method.get_state(NAMES)
+    stats = _local_update(method, state, _client(batches), settings)
+    out = module_state(method.model, NAMES)
 
     (x1, y1), (x2, y2) = halves(*batches[0])
     g_inner = _ce_grads(method, state, x1, y1)
@@ -109,7 +124,7 @@ def test_local_step_is_the_first_order_meta_step():
     plain = _ce_grads(method, state, x2, y2)  # not FedAvg's step: the gradient is taken at the adapted point
     assert not torch.allclose(out["head.weight"], state["head.weight"] - beta * (plain["head.weight"]
                                                                                 + wd * state["head.weight"]))
-    method.set_state(adapted)
+    load_state(method.model, adapted)
     with torch.no_grad():
         assert stats["loss"] == pytest.approx(float(F.cross_entropy(method.model(x2), y2)), rel=1e-5)
 
@@ -117,12 +132,11 @@ def test_local_step_is_the_first_order_meta_step():
 def test_beta_defaults_to_the_experiment_lr():
     method = _method(alpha=0.0)  # alpha 0: the meta-step is plain SGD on D'
     state = _perturbed_state(method)
-    method.set_state(state)
     batches = _batches(1)
-    method.local_update(_client(batches), TrainSettings(1, 8, {"name": "sgd", "lr": 0.3}))
+    _local_update(method, state, _client(batches), TrainSettings(1, 8, {"name": "sgd", "lr": 0.3}))
     g = _ce_grads(method, state, *halves(*batches[0])[1])
-    assert torch.allclose(method.get_state(["head.bias"])["head.bias"], state["head.bias"] - 0.3 * g["head.bias"],
-                          atol=1e-6)
+    assert torch.allclose(module_state(method.model, ["head.bias"])["head.bias"],
+                          state["head.bias"] - 0.3 * g["head.bias"], atol=1e-6)
 
 
 # ---- end to end ------------------------------------------------------------------------------------

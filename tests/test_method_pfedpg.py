@@ -11,7 +11,9 @@ from conftest import identity, run_params
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import build_vit
 from fedcore.methods import method_class
-from fedcore.methods.base import ClientData
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData
+from fedcore.engine.roles import FitResult, RoundInfo, module_state
 from fedcore.methods.pfedpg import GENERATOR, PROMPT, generate
 from fedcore.train import train_run
 
@@ -25,14 +27,31 @@ def _method(**params):
 
 def _client(cid: int) -> ClientData:
     x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 4
-    return ClientData(cid, len(y), lambda: iter([(x, y)]), torch.Generator())
+    return ClientData(cid, len(y), lambda: iter([Batch(x, y, torch.arange(8), {})]), torch.Generator())
 
 
 def _setup(method) -> dict:
-    server = method.init_server_state()
+    """The server state for M clients, its generator drawn after seeding 1."""
     torch.manual_seed(1)
-    method.setup([_client(c) for c in range(M)], server)
+    server = method.strategy.init_state(M)
+    ups = [FitResult(c, 8, up, {}) for c in range(M) if (up := method.client.setup(c, _client(c))) is not None]
+    if ups:
+        method.strategy.setup(server, ups)
     return server
+
+
+def _shared(method) -> list[str]:
+    return method.client.shared_keys(method.keys(0))
+
+
+def _personal(method) -> list[str]:
+    return method.client.personal_keys(method.keys(0))
+
+
+def _eval_state(method, cid: int, server: dict, personal: dict, data: ClientData) -> dict:
+    """The tensors of the model that scores client ``cid`` (its personal tensors ``personal``)."""
+    method.evaluator.load(method.model, cid, server, {"model": personal}, data)
+    return module_state(method.model, method.keys(cid))
 
 
 def test_generated_prompts_differ_per_client_and_start_each_update():
@@ -42,13 +61,13 @@ def test_generated_prompts_differ_per_client_and_start_each_update():
     assert gen.shape == (M, 1, 64)  # prompt length 1, vit_mini's embed_dim
     dist = torch.cdist(gen[:, 0], gen[:, 0])
     assert (dist + torch.eye(M)).min() > 1e-3  # every pair of clients gets different prompts
-    glob = method.get_state(method.shared_names())
     for c in range(M):
-        start = method.start_state(c, glob, method.get_state(method.personal_names()), server)
+        method.client.start(method.model, c, method.client.init_state(c), method.strategy.configure(server, c))
+        start = module_state(method.model, method.keys(c))
         assert torch.allclose(start[PROMPT], gen[c], atol=1e-7)
-    assert method.shared_names() == [PROMPT]
-    assert set(method.personal_names()) == {"head.weight", "head.bias", PROMPT}
-    assert set(_method(eval_prompts="generated").personal_names()) == {"head.weight", "head.bias"}
+    assert _shared(method) == [PROMPT]
+    assert set(_personal(method)) == {"head.weight", "head.bias", PROMPT}
+    assert set(_personal(_method(eval_prompts="generated"))) == {"head.weight", "head.bias"}
 
 
 def test_generator_step_moves_generated_prompts_toward_the_adapted_ones():
@@ -58,8 +77,10 @@ def test_generator_step_moves_generated_prompts_toward_the_adapted_ones():
     cids, sizes = [0, 3], [30.0, 10.0]
     torch.manual_seed(2)
     adapted = generate(server, cids) + 0.2 * torch.randn(2, 1, 64)
-    uploads = [{PROMPT: adapted[i], "cid": c} for i, c in enumerate(cids)]
-    glob = method.aggregate({PROMPT: torch.zeros(1, 64)}, uploads, sizes, server)
+    results = [FitResult(c, int(n), {"model": {PROMPT: adapted[i]}}, {}) for i, (c, n) in enumerate(zip(cids, sizes))]
+    server = method.strategy.aggregate(RoundInfo(1, M, 0.4, 0), {**server, "model": {PROMPT: torch.zeros(1, 64)}},
+                                       results)
+    glob = server["model"]
 
     dist_before = (generate(before, cids) - adapted).flatten(1).norm(dim=1)
     dist_after = (generate(server, cids) - adapted).flatten(1).norm(dim=1)
@@ -87,8 +108,9 @@ def test_eval_state_uses_adapted_prompts_once_sampled_and_generated_prompts_befo
     glob = {PROMPT: torch.zeros(1, 64)}
     personal = {"head.weight": torch.ones(4, 64), "head.bias": torch.zeros(4), PROMPT: torch.full((1, 64), 7.0)}
     server["seen"][1] = True
-    seen = method.eval_state(1, glob, personal, server, _client(1))
-    never = method.eval_state(2, glob, personal, server, _client(2))
+    server["model"] = glob
+    seen = _eval_state(method, 1, server, personal, _client(1))
+    never = _eval_state(method, 2, server, personal, _client(2))
     assert torch.equal(seen[PROMPT], personal[PROMPT])
     assert torch.equal(never[PROMPT], generate(server, [2])[0])
     assert torch.equal(seen["head.weight"], personal["head.weight"])
@@ -97,7 +119,7 @@ def test_eval_state_uses_adapted_prompts_once_sampled_and_generated_prompts_befo
     gen_only = _method(eval_prompts="generated")
     server2 = _setup(gen_only)
     server2["seen"][:] = True
-    out = gen_only.eval_state(1, glob, personal, server2, _client(1))
+    out = _eval_state(gen_only, 1, {**server2, "model": glob}, personal, _client(1))
     assert torch.equal(out[PROMPT], generate(server2, [1])[0])
     with pytest.raises(ValueError, match="eval_prompts must be adapted|generated"):
         _method(eval_prompts="last")
@@ -146,7 +168,8 @@ def test_batched_clients_equal_one_by_one_and_resume_is_exact(trained_files, tmp
     for k in GENERATOR:
         assert torch.equal(full.server_state[k], resumed.server_state[k]), k
 
-    monkeypatch.setattr(loop, "can_batch", lambda *a: False)
+    assert loop._why_not_together(_method()) is None  # pFedPG's clients do train together by default
+    monkeypatch.setattr(loop, "_why_not_together", lambda method: "forced one by one")
     one = _train(trained_files, tmp_path / "one", rounds=3)
     a, b = full.metrics, one.metrics
     pd.testing.assert_frame_equal(a.drop(columns="value"), b.drop(columns="value"))

@@ -10,9 +10,12 @@ import torch
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import build_vit
 from fedcore.data.arrays import save_bundle
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData, TrainSettings
+from fedcore.engine.roles import FitResult, RoundInfo, module_state
 from fedcore.features import compute_select_queries
-from fedcore.methods.base import ClientData, TrainSettings
-from fedcore.methods.sgpt import SGPT, aggregate_keys, orthogonal_keys, select_groups
+from fedcore.methods import sgpt as sgpt_module
+from fedcore.methods.sgpt import QUERY, SGPT, aggregate_keys, assign, orthogonal_keys, select_groups
 from fedcore.partition import make_partition
 from fedcore.train import train_run
 from tests.conftest import identity, run_params, synthetic_bundle
@@ -25,19 +28,27 @@ def _method(**over) -> SGPT:
     return SGPT(PromptedViT(build_vit("vit_mini")), 4, {**PARAMS, **over})
 
 
-def _client(method: SGPT, n: int = 24, batch: int = 8) -> ClientData:
-    """A client whose batches carry random images and queries (QueryBatch) with fixed labels."""
-    from fedcore.engine.data import QueryBatch
+def _dim(method: SGPT) -> int:
+    return method.backbones[0].embed_dim
 
+
+def _client(method: SGPT, n: int = 24, batch: int = 8) -> ClientData:
+    """A client whose batches carry random images and Select queries (batch extra) with fixed labels."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(n, 3, 16, 16, generator=gen)
-    q = torch.randn(n, method.backbone.embed_dim, generator=gen)
+    q = torch.randn(n, _dim(method), generator=gen)
     y = torch.arange(n) % 4
 
     def batches():
         for s in range(0, n, batch):
-            yield QueryBatch(x[s:s + batch], q[s:s + batch]), y[s:s + batch]
+            idx = torch.arange(s, min(s + batch, n))
+            yield Batch(x[idx], y[idx], idx, {QUERY: q[idx]})
     return ClientData(0, n, batches, gen)
+
+
+def _assign(m: SGPT, q: torch.Tensor, train: bool, freq: torch.Tensor | None = None):
+    """Select for the method's current keys (``freq``: the training-time calibration q_g, None before counts)."""
+    return assign(q, m.model.keys, m.params, freq, train=train)
 
 
 SETTINGS = TrainSettings(local_epochs=1, batch_size=8, optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9})
@@ -58,54 +69,62 @@ def test_calibration_prefers_rarely_used_groups():
         m.model.keys[0, 0] = 1.0
         m.model.keys[1, 1] = 1.0
         m.model.keys[2, 2] = 1.0
-    q = torch.zeros(1, m.backbone.embed_dim)
+    q = torch.zeros(1, _dim(m))
     q[0, 0], q[0, 1] = 1.0, 0.9                # closer to key 0 than to key 1
-    assert int(m.assign(q, train=False)[0]) == 0
-    m._freq = None                              # round 1: no counts yet -> plain argmin
-    assert int(m.assign(q, train=True)[0]) == 0
-    m._freq = torch.tensor([0.9, 0.05, 0.05], dtype=torch.float64)   # group 0 used 18x more often
-    assert int(m.assign(q, train=True)[0]) == 1
-    assert int(m.assign(q, train=False)[0]) == 0  # inference never calibrates
+    assert int(_assign(m, q, train=False)[0]) == 0
+    assert int(_assign(m, q, train=True, freq=None)[0]) == 0   # round 1: no counts yet -> plain argmin
+    freq = torch.tensor([0.9, 0.05, 0.05], dtype=torch.float64)   # group 0 used 18x more often
+    assert int(_assign(m, q, train=True, freq=freq)[0]) == 1
+    assert int(_assign(m, q, train=False, freq=freq)[0]) == 0  # inference never calibrates
 
 
 def test_batch_vote_gives_the_whole_batch_its_mode_group():
     m = _method(batch_vote=True)
-    q = torch.randn(9, m.backbone.embed_dim)
+    q = torch.randn(9, _dim(m))
     plain = select_groups(q, m.model.keys)
-    voted, _ = m.assign(q, train=True)
+    voted, _ = _assign(m, q, train=True)
     assert (voted == torch.bincount(plain, minlength=3).argmax()).all()
 
 
 def test_key_loss_reaches_only_the_keys():
     m = _method()
-    q = torch.randn(6, m.backbone.embed_dim)
-    _, key_loss = m.assign(q, train=True)
+    q = torch.randn(6, _dim(m))
+    _, key_loss = _assign(m, q, train=True)
     key_loss.backward()
     grads = {n for n, p in m.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert grads == {"keys"}
 
 
-def _changed_per_phase(m: SGPT) -> list[set[str]]:
-    """Which tensors each phase of one local update changed."""
-    changed, original = [], m.run_epochs
+def _fit(m: SGPT) -> tuple[list[set[str]], FitResult]:
+    """Which tensors each phase of one local update (round 1: v is still zero) changed, and its result."""
+    changed, original = [], sgpt_module.run_epochs
 
-    def spy(params, data, settings, epochs, loss_fn):
+    def spy(params, data, settings, epochs, loss_fn, *args, **kwargs):
         before = {n: p.detach().clone() for n, p in m.model.named_parameters()}
-        out = original(params, data, settings, epochs, loss_fn)
+        out = original(params, data, settings, epochs, loss_fn, *args, **kwargs)
         changed.append({n for n, p in m.model.named_parameters() if not torch.equal(p.detach(), before[n])})
         return out
-    m.run_epochs = spy
-    m.local_update(_client(m), SETTINGS)
-    return changed
+    server = m.strategy.init_state(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sgpt_module, "run_epochs", spy)
+        _, result = m.client.fit(0, m.client.init_state(0), m.strategy.configure(server, 0), _client(m), SETTINGS)
+    return changed, result
+
+
+def _changed_per_phase(m: SGPT) -> list[set[str]]:
+    """Which tensors each phase of one local update changed."""
+    return _fit(m)[0]
 
 
 def test_block_coordinate_descent_separates_the_blocks():
     m = _method()
-    block1, block2 = _changed_per_phase(m)
+    (block1, block2), result = _fit(m)
     assert block1 == {"shared.0", "head.weight", "head.bias"}               # Block I: no group prompts, no keys
     assert block2 == {"group.0", "group.1", "keys", "head.weight", "head.bias"}  # Block II: shared frozen
-    assert float(m._counts.sum()) == 24                                       # each sample counted once per epoch
-    assert set(m.trainable_names()) == {"shared.0", "group.0", "group.1", "keys", "head.weight", "head.bias"}
+    assert float(result.uplink["select_counts"].sum()) == 24                  # each sample counted once per epoch
+    assert set(m.trainable_keys(0)) == {"shared.0", "group.0", "group.1", "keys", "head.weight", "head.bias"}
+    # the phases restore every requires_grad flag
+    assert {n for n, p in m.model.named_parameters() if p.requires_grad} == set(m.trainable_keys(0))
 
 
 def test_schedules_of_the_table3_variants():
@@ -129,15 +148,16 @@ def test_key_aggregation_weights_and_uniform_fallback():
 
 def test_server_momentum_and_counter():
     m = _method(key_momentum=0.25, group_momentum=0.75)
-    names = m.shared_names()
-    prev = {n: torch.zeros_like(v) for n, v in m.get_state(names).items()}
-    ups = []
-    for val, cnt in ((1.0, [100.0, 0.0, 0.0]), (3.0, [100.0, 0.0, 0.0])):
+    names = m.client.shared_keys(m.keys(0))
+    prev = {n: torch.zeros_like(v) for n, v in module_state(m.model, names).items()}
+    results = []
+    for cid, (val, cnt) in enumerate(((1.0, [100.0, 0.0, 0.0]), (3.0, [100.0, 0.0, 0.0]))):
         u = {n: torch.full_like(v, val) for n, v in prev.items()}
-        u["select_counts"] = torch.tensor(cnt, dtype=torch.float64)
-        ups.append(u)
-    server = m.init_server_state()
-    new = m.aggregate(prev, ups, [1.0, 1.0], server)
+        results.append(FitResult(cid, 1, {"model": u, "select_counts": torch.tensor(cnt, dtype=torch.float64)}, {}))
+    server = {**m.strategy.init_state(2), "model": prev}
+    assert server["v"].tolist() == [0.0, 0.0, 0.0]
+    server = m.strategy.aggregate(RoundInfo(1, 2, 1.0, 0), server, results)
+    new = server["model"]
     assert torch.allclose(new["head.weight"], torch.full_like(prev["head.weight"], 2.0))  # plain average
     assert torch.allclose(new["shared.0"], torch.full_like(prev["shared.0"], 2.0))        # no momentum
     assert torch.allclose(new["group.0"], torch.full_like(prev["group.0"], 0.25 * 2.0))    # (1 - a_g) * avg
@@ -150,7 +170,7 @@ def test_trainable_parameter_count_matches_the_spec():
     with torch.device("meta"):
         vit = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=0)
         m = SGPT(PromptedViT(vit), 100, {"groups": 20, "shared_blocks": [0, 1, 2, 3], "group_blocks": [4, 5, 6]})
-    assert sum(m.model.get_parameter(n).numel() for n in m.trainable_names()) == 141_412
+    assert sum(m.model.get_parameter(n).numel() for n in m.trainable_keys(0)) == 141_412
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +193,7 @@ def _run(root, name: str, tag: str, **method_params) -> pd.DataFrame:
     params["method_params"] = {**PARAMS, "groups": 2, **method_params}
     train_run(params, identity(name), root / "data.npz", root / "part.npz", "vit_mini", root / "vit.pt",
               root / f"{tag}.parquet", root / f"{tag}.pt", device="cpu", progress=False,
-              select_queries=root / "q.npz")
+              artifacts={QUERY: root / "q.npz"})
     return pd.read_parquet(root / f"{tag}.parquet")
 
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MICRO_METHODS = ["head_tune", "sgpt"]
 MICRO_VARIANT = "sgpt_qg"  # one variant, in sgpt_c100_s10 only
 MICRO_EXPERIMENTS = {"sgpt_c100_s50", "sgpt_c100_s10", "sgpt_five", "sgpt_office", "sgpt_domainnet"}
-TRAINING_RULES = {"fetch_dataset", "build_dataset", "pretrain_backbone", "partition", "select_features"}
+TRAINING_RULES = {"fetch_dataset", "build_dataset", "pretrain_backbone", "partition", "features"}
 
 
 def _snakemake(workdir: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -97,7 +97,7 @@ def test_pipeline_writes_metrics_tables_figures(workspace):
         assert (workspace / "results" / "figures" / f"sgpt_accuracy_per_round.{ext}").stat().st_size > 1000
     heatmaps = list((workspace / "results" / "partitions").glob("*/*/seed0.heatmap.png"))
     assert len(heatmaps) == 5  # s=50, s=10, five, office, domainnet analogues
-    queries = list((workspace / "results" / "features").glob("vit_mini/*/select_block*.npz"))
+    queries = list((workspace / "results" / "features").glob("vit_mini/*/cls_block*.npz"))
     assert len(queries) == 4   # label shift: last block of digits/digits_five; feature shift: block 1
 
 

@@ -1,7 +1,7 @@
 """SGPT Fig. 6a probe: congruence of each run's Select groups with a centralised K-Means reference.
 
 K-Means (K = G, fixed seed) runs once on the ReLU + L2-normalised train Select queries (the cached
-``select_features`` file); every run's final keys then assign the same queries to groups (Eq. 5, no
+``features`` rule's file); every run's final keys then assign the same queries to groups (Eq. 5, no
 calibration), and congruence = Acc_overlap(groups, K-Means) / Q_kmeans(labels, K-Means) (spec §3.5).
 Labels are the dataset's coarse labels (CIFAR-100's 20 superclasses), or its classes when it has none.
 """

@@ -33,10 +33,11 @@ class EvalSets:
 
 
 @torch.no_grad()
-def predict(method, split: DeviceSplit, indices: torch.Tensor, pipeline: InputPipeline,
+def predict(method, model, split: DeviceSplit, indices: torch.Tensor, pipeline: InputPipeline,
             batch_size: int) -> torch.Tensor:
-    """Predicted labels for ``split`` at ``indices`` with the method's current model."""
-    out = [method.predict(x).argmax(dim=1) for x, _ in iterate_batches(split, indices, batch_size, pipeline)]
+    """Predicted labels for ``split`` at ``indices`` with ``model`` as it is loaded."""
+    out = [method.evaluator.predict(model, b).argmax(dim=1)
+           for b in iterate_batches(split, indices, batch_size, pipeline)]
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long, device=indices.device)
 
 
@@ -47,12 +48,12 @@ def _client_correct(pred_pooled: torch.Tensor, sets: EvalSets, client: int) -> t
     return int((pred_pooled[pos] == labels).sum()), len(pos)
 
 
-def _global_acc(method, sets: EvalSets, pred_pooled: torch.Tensor, pipeline: InputPipeline,
+def _global_acc(method, model, sets: EvalSets, pred_pooled: torch.Tensor, pipeline: InputPipeline,
                 batch_size: int) -> float:
-    """Accuracy of the current model on the global test set."""
+    """Accuracy of the loaded model on the global test set."""
     if sets.global_test == "official_test":
         idx = torch.arange(len(sets.official.y), device=sets.official.y.device)
-        pred = predict(method, sets.official, idx, pipeline, batch_size)
+        pred = predict(method, model, sets.official, idx, pipeline, batch_size)
         return float((pred == sets.official.y).float().mean())
     # pooled over the union of local test sets, each client's images counted as in its set (SGPT code)
     correct = total = 0
@@ -63,30 +64,29 @@ def _global_acc(method, sets: EvalSets, pred_pooled: torch.Tensor, pipeline: Inp
 
 
 def evaluate_round(method, sets: EvalSets, pipeline: InputPipeline, batch_size: int,
-                   global_state: dict, client_state: Callable[[int], dict] | None) -> list[tuple[int, str, str, float]]:
-    """Rows (client, split, metric, value) for one evaluated round (``client_state(c)``: personalised models)."""
+                   load: Callable[[int | None], torch.nn.Module]) -> list[tuple[int, str, str, float]]:
+    """Rows (client, split, metric, value) for one evaluated round; ``load(cid)`` loads and returns the model
+    that scores client ``cid`` (``load(None)``: the global model)."""
     rows: list[tuple[int, str, str, float]] = []
     num_clients = len(sets.client_indices)
     local_acc: list[float] = []
-    method.set_state(global_state)
-    if not method.personalized:
-        pred = predict(method, sets.source, sets.pooled, pipeline, batch_size)
+    if not method.evaluator.personalized:
+        model = load(None)
+        pred = predict(method, model, sets.source, sets.pooled, pipeline, batch_size)
         for c in range(num_clients):
             k, n = _client_correct(pred, sets, c)
             local_acc.append(k / max(n, 1))
-        global_acc = _global_acc(method, sets, pred, pipeline, batch_size)
+        global_acc = _global_acc(method, model, sets, pred, pipeline, batch_size)
     else:
         # each client's own model: local accuracy on its test set, global accuracy on the global test set
         global_accs = []
         for c in range(num_clients):
-            method.set_state(global_state)
-            method.set_state(client_state(c))
-            pred = predict(method, sets.source, sets.pooled, pipeline, batch_size)
+            model = load(c)
+            pred = predict(method, model, sets.source, sets.pooled, pipeline, batch_size)
             k, n = _client_correct(pred, sets, c)
             local_acc.append(k / max(n, 1))
-            global_accs.append(_global_acc(method, sets, pred, pipeline, batch_size))
+            global_accs.append(_global_acc(method, model, sets, pred, pipeline, batch_size))
             rows.append((c, "global", "acc", global_accs[-1]))
-        method.set_state(global_state)
         global_acc = sum(global_accs) / num_clients
     for c, a in enumerate(local_acc):
         rows.append((c, "local", "acc", a))

@@ -2,27 +2,30 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from fedcore.engine.batched import can_batch, train_together
 from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
 from fedcore.engine.evaluate import EvalSets, evaluate_round
-from fedcore.engine.sampling import sample_clients, stream_seed
+from fedcore.engine.optim import ClientData, TrainSettings, autocast_for
+from fedcore.engine.roles import FitResult, Method, Payload, RoundContext, RoundInfo, load_state, module_state
+from fedcore.engine.sampling import stream_seed
+from fedcore.engine.together import train_together
 from fedcore.io import atomic_path
-from fedcore.methods.base import ClientData, Method, RoundContext, TrainSettings
-from fedcore.report.aggregate import METRIC_COLUMNS, METRIC_DTYPES
+from fedcore.metrics import METRIC_COLUMNS, METRIC_DTYPES
 
 log = logging.getLogger(__name__)
 
 IDENTITY_COLUMNS = METRIC_COLUMNS[:6]  # paper, experiment, method, scale, dataset, seed
+CHECKPOINT_FORMAT = 2  # per-client state dicts and an opaque server state (format 1: named tensors only)
 
 
 @dataclass
@@ -43,7 +46,7 @@ class RunSpec:
 
     def fingerprint(self) -> str:
         """Hash of the settings that determine the run's numbers (a checkpoint must match it to resume)."""
-        blob = json.dumps([self.identity, self.federation, self.optimizer, self.evaluation, self.final_window,
+        blob = json.dumps([CHECKPOINT_FORMAT, self.identity, self.federation, self.optimizer, self.evaluation, self.final_window,
                            self.method_params], sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()
 
@@ -56,12 +59,21 @@ class RunSpec:
 
 @dataclass
 class RunResult:
-    """A finished run: its metrics and final model state."""
+    """A finished run: its metrics, the server state and every client's state."""
 
     metrics: pd.DataFrame
-    global_state: dict[str, torch.Tensor]
-    personal_states: dict[int, dict[str, torch.Tensor]]
-    server_state: dict[str, Any]
+    server_state: Payload
+    client_states: dict[int, Payload]
+
+    @property
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The server's model tensors (empty when the server keeps none)."""
+        return self.server_state.get("model", {})
+
+    @property
+    def personal_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Each client's personal tensors, for the clients that keep any."""
+        return {c: s["model"] for c, s in self.client_states.items() if s.get("model")}
 
 
 class Checkpoint:
@@ -115,90 +127,127 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
     eval_bs = int(spec.evaluation.get("batch_size", 4 * settings.batch_size))
     device = train.x.device
     ckpt = Checkpoint(checkpoint_path, spec.fingerprint())
+    client, strategy, evaluator = method.client, method.strategy, method.evaluator
 
-    shared, personal = method.shared_names(), method.personal_names()
-    init_personal = method.get_state(personal)
+    def data_of(c: int, r: int, stream: int = 0) -> ClientData:
+        return _client_data(c, r, spec.seed, client_train[c], train, pipeline, settings, client.augment, stream)
+
     state = ckpt.load()
     if state is None:
-        state = {"round": 0, "global": method.get_state(shared), "personal": {},
-                 "server": method.init_server_state(), "rows": []}
-        method.server_state = state["server"]
-        method.setup([_client_data(c, 0, spec.seed, client_train[c], train, pipeline, settings)
-                      for c in range(num_clients)], state["server"])
+        server = strategy.init_state(num_clients)
+        ups = [(c, client.setup(c, data_of(c, 0))) for c in range(num_clients)]
+        ups = [FitResult(c, len(client_train[c]), up, {}) for c, up in ups if up is not None]
+        if ups:
+            strategy.setup(server, ups)
+        state = {"round": 0, "server": server, "clients": {}, "rows": []}
     else:
         state = _to_device(state, device)
         log.info("resuming from round %d of %d", state["round"], rounds)
-    method.server_state = state["server"]
+    clients: dict[int, Payload] = state["clients"]
 
+    def client_state(c: int) -> Payload:
+        return clients[c] if c in clients else client.init_state(c)
+
+    why_not = _why_not_together(method)
+    log.info("clients train %s", "together (one vectorised pass per step)" if why_not is None
+             else f"one by one: {why_not}")
     bar = tqdm(range(state["round"] + 1, rounds + 1), disable=not progress, desc=spec.identity["method"],
                initial=state["round"], total=rounds)
     for r in bar:
-        selected = list(range(num_clients)) if method.train_all_clients else \
-            sample_clients(num_clients, float(fed["participation"]), spec.seed, r)
-        uploads, weights, losses = [], [], []
-        datas = [_client_data(c, r, spec.seed, client_train[c], train, pipeline, settings) for c in selected]
-        if can_batch(method, settings, len(selected)):
-            starts = [_start_state(method, state, c, init_personal) for c in selected]
-            outcomes = train_together(method, starts, datas, settings)
-        else:  # lazily, so only one client's start state exists at a time (a whole ViT for FedAvg)
-            outcomes = (_train_one(method, _start_state(method, state, d.cid, init_personal), d, settings,
-                                   spec.seed, r) for d in datas)
-        for data, (final, stats) in zip(datas, outcomes, strict=True):
-            method.set_state(final)
-            if personal:
-                state["personal"][data.cid] = method.get_state(personal)
-            if shared:
-                uploads.append(method.upload(data, stats))
-                weights.append(float(data.num_samples))
-            losses.append(stats.get("loss", float("nan")))
-            state["rows"].append((r, data.cid, "train", "loss", float(losses[-1])))
-        if uploads:
-            state["global"] = method.aggregate(state["global"], uploads, weights, state["server"])
+        info = RoundInfo(r, num_clients, float(fed["participation"]), spec.seed)
+        selected = strategy.select(info, state["server"])
+        datas = [data_of(c, r) for c in selected]
+        if why_not is None and len(selected) > 1 and len({method.backbone_index(c) for c in selected}) == 1:
+            outcomes = _fit_together(method, state["server"], [client_state(c) for c in selected], datas, settings)
+        else:
+            outcomes = (_fit_one(method, state["server"], client_state(d.cid), d, settings, spec.seed, r)
+                        for d in datas)
+        results: list[FitResult] = []
+        for new_state, res in outcomes:
+            clients[res.cid] = new_state
+            results.append(res)
+            state["rows"].append((r, res.cid, "train", "loss", float(res.stats.get("loss", float("nan")))))
+        state["server"] = strategy.aggregate(info, state["server"], results)
+        losses = [float(res.stats.get("loss", float("nan"))) for res in results]
         state["rows"].append((r, -1, "train", "loss", float(sum(losses) / len(losses))))
-        method.set_state(state["global"])
+        model = method.models[0].eval()  # evaluation: BatchNorm uses its statistics, dropout is off
+        evaluator.load(model, None, state["server"], None, None)
         ctx = RoundContext(r, spec.evaluated(r), train, client_train, eval_sets, pipeline, eval_bs)
-        state["rows"].extend((r, *row) for row in method.round_rows(ctx))
+        state["rows"].extend((r, *row) for row in evaluator.round_rows(ctx, model, state["server"]))
         if spec.evaluated(r):
-            def client_state(c: int, r: int = r) -> dict[str, torch.Tensor]:
-                data = _client_data(c, r, spec.seed, client_train[c], train, pipeline, settings, stream=2)
+            def load(c: int | None, r: int = r) -> torch.nn.Module:
+                if c is None:
+                    evaluator.load(model, None, state["server"], None, None)
+                    return model
+                m = method.model_for(c).eval()
                 torch.manual_seed(stream_seed(spec.seed, r, c, 3))  # any randomness of an eval-time adaptation
-                return method.eval_state(c, state["global"], state["personal"].get(c, init_personal),
-                                         state["server"], data)
-            for client, split, metric, value in evaluate_round(method, eval_sets, pipeline, eval_bs,
-                                                               state["global"], client_state):
-                state["rows"].append((r, client, split, metric, value))
-                if client == -1 and split == "global":
+                evaluator.load(m, c, state["server"], client_state(c), data_of(c, r, stream=2))
+                return m
+            for c, split, metric, value in evaluate_round(method, eval_sets, pipeline, eval_bs, load):
+                state["rows"].append((r, c, split, metric, value))
+                if c == -1 and split == "global":
                     bar.set_postfix(global_acc=f"{value:.3f}")
         state["round"] = r
         ckpt.save(state)
         if stop_after_round is not None and r >= stop_after_round and r < rounds:
             return None
-    method.set_state(state["global"])
-    return RunResult(metrics_frame(state["rows"], spec.identity), state["global"], state["personal"],
-                     state["server"])
+    return RunResult(metrics_frame(state["rows"], spec.identity), state["server"], clients)
 
 
 def _client_data(c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSplit, pipeline: InputPipeline,
-                 settings: TrainSettings, stream: int = 0) -> ClientData:
+                 settings: TrainSettings, augment: tuple[str, ...] = (), stream: int = 0) -> ClientData:
     """Client c's data in round r, its batch order drawn from a generator keyed by (seed, r, c, stream)."""
     gen = torch.Generator(device="cpu").manual_seed(stream_seed(seed, r, c, stream))
-    return ClientData(c, len(idx), lambda: iterate_batches(train, idx, settings.batch_size, pipeline, gen), gen)
+    return ClientData(c, len(idx), lambda: iterate_batches(train, idx, settings.batch_size, pipeline, gen, augment),
+                      gen)
 
 
-def _start_state(method: Method, state: dict, c: int, init_personal: dict) -> dict[str, torch.Tensor]:
-    """Client c's trainable tensors at the start of its update (default: the global ones plus its personal ones)."""
-    method.set_state(state["global"])
-    method.set_state(method.start_state(c, state["global"], state["personal"].get(c, init_personal), state["server"]))
-    return method.get_state(method.trainable_names())
-
-
-def _train_one(method: Method, start: dict[str, torch.Tensor], data: ClientData, settings: TrainSettings,
-               seed: int, r: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """One client's local update on its own; returns its final trainable tensors and stats."""
-    method.set_state(start)
+def _fit_one(method: Method, server: Payload, state: Payload, data: ClientData, settings: TrainSettings,
+             seed: int, r: int) -> tuple[Payload, FitResult]:
+    """One client's round on its own."""
     torch.manual_seed(stream_seed(seed, r, data.cid, 1))  # any method-internal randomness
-    stats = method.local_update(data, settings)
-    return method.get_state(method.trainable_names()), stats
+    method.model_for(data.cid).train()
+    return method.client.fit(data.cid, state, method.strategy.configure(server, data.cid), data, settings)
+
+
+def _why_not_together(method: Method) -> str | None:
+    """Why a round's clients cannot train together (None: they can)."""
+    client = method.client
+    if not client.batchable:
+        return f"{type(client).__name__} does not declare batchable (its update is not the default epochs of loss)"
+    if client.keep_optimizer:
+        return "the client keeps its optimiser across rounds"
+    return None
+
+
+def _fit_together(method: Method, server: Payload, states: list[Payload], datas: list[ClientData],
+                  settings: TrainSettings) -> list[tuple[Payload, FitResult]]:
+    """The round's clients trained in one vectorised pass per step; equal to ``_fit_one`` for each."""
+    client = method.client
+    cid0 = datas[0].cid
+    model, keys, trainable = method.model_for(cid0).train(), method.keys(cid0), method.trainable_keys(cid0)
+    starts = []
+    for st, d in zip(states, datas, strict=True):
+        client.start(model, d.cid, st, method.strategy.configure(server, d.cid))
+        starts.append(module_state(model, keys))
+    streams = [_epochs(d, settings.local_epochs) for d in datas]
+    with autocast_for(_a_tensor_of(model)):
+        finals = train_together(model, keys, trainable, starts, streams, client.loss, settings.optimizer)
+    out = []
+    for st, d, (final, loss) in zip(states, datas, finals, strict=True):
+        load_state(model, final)
+        out.append(client.finish(model, d.cid, st, d, {"loss": loss}, None))
+    return out
+
+
+def _epochs(data: ClientData, epochs: int) -> Iterator:
+    """A client's batches over all its local epochs, drawn lazily as in the one-by-one loop."""
+    return itertools.chain.from_iterable(data.batches() for _ in range(epochs))
+
+
+def _a_tensor_of(model: torch.nn.Module) -> torch.Tensor:
+    """A tensor on the model's device (autocast_for decides by it)."""
+    return next(iter(model.parameters()))
 
 
 def metrics_frame(rows: list[tuple], identity: dict[str, Any]) -> pd.DataFrame:

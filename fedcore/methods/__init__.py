@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from fedcore.methods.base import Method
+from fedcore.engine.roles import Method
 
 #: method name -> module name under fedcore.methods (one file per method)
 METHODS: dict[str, str] = {

@@ -3,17 +3,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from fedcore.methods.base import Method, PromptClassifier
+from fedcore.methods.base import PromptMethod
 
 
-class FedAvg(Method):
-    """Full-model FedAvg: unfreezes the backbone of this run's (private) model copy."""
+class FedAvg(PromptMethod):
+    """Full-model FedAvg: unfreezes the backbone of this run's (private) model copy; every role is the default."""
 
     name = "fedavg"
 
-    def build(self) -> nn.Module:
+    def build(self, backbone: nn.Module) -> nn.Module:
         """Head-on-CLS classifier whose backbone parameters are all trainable."""
-        model = PromptClassifier(self.backbone, self.num_classes)
+        model = super().build(backbone)
         for p in model.backbone.parameters():
             p.requires_grad_(True)
         return model

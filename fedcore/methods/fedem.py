@@ -7,7 +7,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedcore.backbones.prompted import PromptedViT, init_prompts
-from fedcore.methods.base import ClientData, Method, TrainSettings, autocast_for
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, run_epochs
+from fedcore.engine.roles import Client, Method, Payload
+from fedcore.methods.base import PersonalEvaluator
 
 
 class StackedLinear(nn.Module):
@@ -22,7 +25,7 @@ class StackedLinear(nn.Module):
 
 class MixturePromptClassifier(nn.Module):
     """M VPT-shallow components (prompt tokens + linear head each) on one shared frozen ViT, plus mixture
-    weights ``pi`` (not trained by gradient; FedEM's E/M steps set it)."""
+    weights ``pi`` (a buffer: FedEM's E/M steps set it, no gradient does)."""
 
     def __init__(self, backbone: PromptedViT, num_classes: int, components: int, num_prompts: int) -> None:
         super().__init__()
@@ -35,7 +38,7 @@ class MixturePromptClassifier(nn.Module):
         self.prompts = nn.Parameter(torch.stack([init_prompts(num_prompts, dim, patch).detach()
                                                  for _ in range(components)]))  # (M, n, D)
         self.head = StackedLinear(components, dim, num_classes)
-        self.pi = nn.Parameter(torch.full((components,), 1.0 / components), requires_grad=False)
+        self.register_buffer("pi", torch.full((components,), 1.0 / components))  # set by EM, not by gradient
 
     def component_logits(self, x: Tensor, prompts: Tensor | None = None, weight: Tensor | None = None,
                          bias: Tensor | None = None) -> Tensor:
@@ -69,12 +72,65 @@ def responsibilities(losses: Tensor, pi: Tensor) -> Tensor:
     return torch.softmax(log_pi.unsqueeze(1) - losses, dim=0)
 
 
+def component_losses(model: nn.Module, x: Tensor, y: Tensor, params: tuple[Tensor, ...] = ()) -> Tensor:
+    """Per-sample cross-entropy (M, B) of every component (``params``: a snapshot, else the live tensors)."""
+    with autocast_for(x):
+        logits = model.component_logits(x, *params)
+    m, b = logits.shape[:2]
+    return F.cross_entropy(logits.float().reshape(m * b, -1), y.repeat(m), reduction="none").view(m, b)
+
+
+class FedEMClient(Client):
+    """One E-step (responsibilities, then pi), then E epochs of the responsibility-weighted M-step."""
+
+    def shared_keys(self, keys: list[str]) -> list[str]:
+        """The stacked components go to the server."""
+        return [k for k in keys if k != "pi"]
+
+    def personal_keys(self, keys: list[str]) -> list[str]:
+        """The mixture weights stay with their client."""
+        return ["pi"]
+
+    def train(self, model: nn.Module, cid: int, state: Payload, downlink: Payload, data: ClientData,
+              settings: TrainSettings) -> tuple[dict[str, float], None]:
+        """E-step over the client's data with the start-of-round tensors, then the weighted M-step."""
+        snapshot = (model.prompts.detach().clone(), model.head.weight.detach().clone(),
+                    model.head.bias.detach().clone())
+        pi_old = model.pi.detach().clone()
+        with torch.no_grad():
+            q_sum, n = None, 0
+            for b in data.batches():
+                q = responsibilities(component_losses(model, b.x, b.y, snapshot), pi_old).sum(dim=1)
+                q_sum, n = (q if q_sum is None else q_sum + q), n + len(b.y)
+            if n:
+                model.pi.copy_((q_sum / n).to(model.pi.dtype))
+
+        def m_step_loss(b: Batch) -> Tensor:
+            with torch.no_grad():  # the same q as the E-step: same snapshot, same old pi
+                q = responsibilities(component_losses(model, b.x, b.y, snapshot), pi_old)
+            return (q * component_losses(model, b.x, b.y)).sum() / len(b.y)
+
+        params = [model.prompts, model.head.weight, model.head.bias]
+        return run_epochs(params, data, settings, settings.local_epochs, m_step_loss)[0], None
+
+
+class FedEMEvaluator(PersonalEvaluator):
+    """Each client's mixture: the global components with its own pi."""
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, batch: Batch) -> Tensor:
+        """Personalised log-probabilities log Σ_m π_m softmax(f_m(x)) (argmax = the mixture's prediction)."""
+        with autocast_for(batch.x):
+            logits = model.component_logits(batch.x)
+        return mixture_log_probs(logits.float(), model.pi)
+
+
 class FedEM(Method):
     """FedEM on a frozen ViT: ``components`` shared VPT-shallow prompt+head models, personal mixture weights.
 
     Algorithm (Marfoq et al., NeurIPS 2021, Alg. 1 and the official code github.com/omarfoq/FedEM,
     ``MixtureClient.step``):
-      * Each client t keeps personal mixture weights π_t (uniform at start) in ``personal_names``.
+      * Each client t keeps personal mixture weights π_t (uniform at start), its personal state.
       * Local update, with the round's global components Θ = (θ_1..θ_M) and the client's π_t:
         E-step: q(m | x_i, y_i) ∝ π_tm · exp(-CE(f_θm(x_i), y_i)) for every local sample;
         π_t ← mean_i q(m | x_i, y_i);
@@ -103,57 +159,11 @@ class FedEM(Method):
     """
 
     name = "fedem"
-    personalized = True
     defaults = {"components": 3, "num_prompts": 1}
+    client_role = FedEMClient
+    evaluator_role = FedEMEvaluator
 
-    def build(self) -> nn.Module:
+    def build(self, backbone: nn.Module) -> nn.Module:
         """The mixture of ``components`` prompt+head models on the shared frozen backbone."""
-        return MixturePromptClassifier(self.backbone, self.num_classes, int(self.params["components"]),
+        return MixturePromptClassifier(backbone, self.num_classes, int(self.params["components"]),
                                        int(self.params["num_prompts"]))
-
-    def trainable_names(self) -> list[str]:
-        """Gradient-trained tensors plus ``pi``, which the local update sets by EM (so the engine carries it)."""
-        return [n for n, p in self.model.named_parameters() if p.requires_grad] + ["pi"]
-
-    def shared_names(self) -> list[str]:
-        """The stacked components go to the server."""
-        return [n for n in self.trainable_names() if n != "pi"]
-
-    def personal_names(self) -> list[str]:
-        """The mixture weights stay with their client."""
-        return ["pi"]
-
-    def _component_losses(self, x: Tensor, y: Tensor, params: tuple[Tensor, ...] = ()) -> Tensor:
-        """Per-sample cross-entropy (M, B) of every component (``params``: a snapshot, else the live tensors)."""
-        with autocast_for(x):
-            logits = self.model.component_logits(x, *params)
-        m, b = logits.shape[:2]
-        return F.cross_entropy(logits.float().reshape(m * b, -1), y.repeat(m), reduction="none").view(m, b)
-
-    def local_update(self, data: ClientData, settings: TrainSettings) -> dict[str, float]:
-        """One E-step (responsibilities, then pi), then E epochs of the responsibility-weighted M-step."""
-        model = self.model
-        snapshot = (model.prompts.detach().clone(), model.head.weight.detach().clone(),
-                    model.head.bias.detach().clone())
-        pi_old = model.pi.detach().clone()
-        with torch.no_grad():
-            q_sum, n = None, 0
-            for x, y in data.batches():
-                q = responsibilities(self._component_losses(x, y, snapshot), pi_old).sum(dim=1)
-                q_sum, n = (q if q_sum is None else q_sum + q), n + len(y)
-            if n:
-                model.pi.copy_((q_sum / n).to(model.pi.dtype))
-        def m_step_loss(x: Tensor, y: Tensor) -> Tensor:
-            with torch.no_grad():  # the same q as the E-step: same snapshot, same old pi
-                q = responsibilities(self._component_losses(x, y, snapshot), pi_old)
-            return (q * self._component_losses(x, y)).sum() / len(y)
-
-        return self.run_epochs([model.prompts, model.head.weight, model.head.bias], data, settings,
-                               settings.local_epochs, m_step_loss)
-
-    @torch.no_grad()
-    def predict(self, x: Tensor) -> Tensor:
-        """Personalised log-probabilities log Σ_m π_m softmax(f_m(x)) (argmax = the mixture's prediction)."""
-        with autocast_for(x):
-            logits = self.model.component_logits(x)
-        return mixture_log_probs(logits.float(), self.model.pi)

@@ -8,7 +8,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fedcore.methods.base import ClientData, Method, PromptClassifier, TrainSettings
+from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
+from fedcore.engine.roles import Client, FitResult, Payload, Strategy
+from fedcore.methods.base import PromptMethod
 
 
 def client_means(data: ClientData, num_classes: int, mean_batch: int) -> tuple[Tensor, Tensor]:
@@ -19,7 +21,8 @@ def client_means(data: ClientData, num_classes: int, mean_batch: int) -> tuple[T
     groups = n // size
     sums_x = sums_y = None
     seen = 0
-    for x, y in data.batches():  # one seeded pass: groups are random subsets of the client's data
+    for batch in data.batches():  # one seeded pass: groups are random subsets of the client's data
+        x, y = batch.x, batch.y
         pos = torch.arange(seen, seen + len(y), device=y.device)
         seen += len(y)
         gid = pos // size
@@ -52,13 +55,49 @@ def fedmix_loss(model: nn.Module, x: Tensor, y: Tensor, x_mean: Tensor, y_mean: 
     return (l1 + l2 + l3).mean()
 
 
-class FedMix(Method):
+class FedMixClient(Client):
+    """Sends its mean data once; trains with the approximated global-Mixup loss against the pooled means."""
+
+    def setup(self, cid: int, data: ClientData) -> Payload:
+        """This client's mean inputs and labels (MAFL's one-time upload)."""
+        x, y = client_means(data, self.method.num_classes, int(self.params["mean_batch"]))
+        return {"x": x, "y": y}
+
+    def train(self, model: nn.Module, cid: int, state: Payload, downlink: Payload, data: ClientData,
+              settings: TrainSettings) -> tuple[dict[str, float], None]:
+        """E epochs of the FedMix loss, each sample paired with a random global mean."""
+        x_means, y_means = downlink["fedmix_x"], downlink["fedmix_y"]
+        lam = float(self.params["lam"])
+
+        def loss_fn(batch) -> Tensor:
+            j = torch.randint(len(y_means), (len(batch.y),), generator=data.generator).to(batch.y.device)
+            return fedmix_loss(model, batch.x, batch.y, x_means[j].float(), y_means[j], lam)
+
+        named = dict(model.named_parameters())
+        params = [named[k] for k in self.method.trainable_keys(cid)]
+        return run_epochs(params, data, settings, settings.local_epochs, loss_fn)[0], None
+
+
+class FedMixServer(Strategy):
+    """FedAvg, plus the pool of every client's means, sent with every downlink."""
+
+    def setup(self, state: Payload, uplinks: list[FitResult]) -> None:
+        """Pool the clients' means (in client order)."""
+        state["fedmix_x"] = torch.cat([u.uplink["x"] for u in uplinks]).to(torch.float16)  # halves 224 px memory
+        state["fedmix_y"] = torch.cat([u.uplink["y"] for u in uplinks])
+
+    def configure(self, state: Payload, cid: int) -> Payload:
+        """The global model and the pooled means."""
+        return {"model": state["model"], "fedmix_x": state["fedmix_x"], "fedmix_y": state["fedmix_y"]}
+
+
+class FedMix(PromptMethod):
     """FedMix on a frozen ViT: VPT-shallow prompts + linear head, trained with the approximated global-Mixup loss.
 
     Algorithm (Yoon et al., ICLR 2021, MAFL + FedMix):
-      1. Once before round 1 (``setup``), every client averages its local samples in groups of ``mean_batch``
+      1. Once before round 1 (``Client.setup``), every client averages its local samples in groups of ``mean_batch``
          (the paper's M_k) into mean inputs x̄ and mean one-hot labels ȳ and sends them; the server pools
-         them (X_g, Y_g) and keeps them in ``server_state`` (``fedmix_x``, ``fedmix_y``); clients read them.
+         them (X_g, Y_g) in its state (``fedmix_x``, ``fedmix_y``, ``Strategy.setup``) and sends them in every downlink.
       2. Local update: for every local sample (x_i, y_i) a global mean (x̄_j, ȳ_j) is drawn and the loss is
          l1 + l2 + l3 with l1 = (1-λ)·CE(f((1-λ)x_i), y_i), l2 = λ·CE(f((1-λ)x_i), ȳ_j) and
          l3 = λ·<∂l1/∂x, x̄_j> (derivative at (1-λ)x_i), the first-order Taylor approximation of Mixup
@@ -90,29 +129,13 @@ class FedMix(Method):
     """
 
     name = "fedmix"
+    prompt_mode = "shallow"
     defaults = {"num_prompts": 1, "lam": 0.1, "mean_batch": 0}
+    client_role = FedMixClient
+    strategy_role = FedMixServer
 
-    def build(self) -> nn.Module:
-        """FedVPT's model: ``num_prompts`` prompt tokens before block 0 plus a linear head."""
-        return PromptClassifier(self.backbone, self.num_classes, "shallow", self.params["num_prompts"])
-
-    def setup(self, clients: list[ClientData], server_state: dict[str, Any]) -> None:
-        """Every client's mean data, pooled by the server (MAFL's one-time exchange)."""
+    def check_params(self) -> None:
+        """lam must lie in [0, 1)."""
         lam = float(self.params["lam"])
         if not 0.0 <= lam < 1.0:
             raise ValueError(f"method_params.fedmix.lam must lie in [0, 1), got {lam}")
-        xs, ys = zip(*(client_means(c, self.num_classes, int(self.params["mean_batch"])) for c in clients))
-        server_state["fedmix_x"] = torch.cat(xs).to(torch.float16)  # halves the memory of 224 px means
-        server_state["fedmix_y"] = torch.cat(ys)
-
-    def local_update(self, data: ClientData, settings: TrainSettings) -> dict[str, float]:
-        """E epochs of the FedMix loss, each sample paired with a random global mean."""
-        x_means, y_means = self.server_state["fedmix_x"], self.server_state["fedmix_y"]
-        lam = float(self.params["lam"])
-
-        def loss_fn(x: Tensor, y: Tensor) -> Tensor:
-            j = torch.randint(len(y_means), (len(y),), generator=data.generator).to(y.device)
-            return fedmix_loss(self.model, x, y, x_means[j].float(), y_means[j], lam)
-
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        return self.run_epochs(params, data, settings, settings.local_epochs, loss_fn)

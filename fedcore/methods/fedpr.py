@@ -2,12 +2,12 @@
 null space of the global prompts; FedAvg on the server."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
-from fedcore.methods.base import ClientData, Method, PromptClassifier, TrainSettings, autocast_for, make_optimizer
+from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer
+from fedcore.engine.roles import Client, FitResult, Payload, RoundInfo, Strategy
+from fedcore.methods.base import PromptMethod
 
 #: eigenvalues at or below this fraction of the largest are exact zeros up to float64 rounding
 _RANK_RTOL = 1e-10
@@ -39,7 +39,64 @@ def project_out(step: Tensor, basis: Tensor) -> Tensor:
     return step - (step @ b) @ b.T
 
 
-class FedPR(Method):
+class FedPRServer(Strategy):
+    """FedAvg, then the protected (top-eigen) directions of every block's new global prompts."""
+
+    def init_state(self, num_clients: int) -> Payload:
+        """No protected directions before the first aggregation."""
+        return {**super().init_state(num_clients), "fedpr_basis": {}, "fedpr_cov": {}}
+
+    def configure(self, state: Payload, cid: int) -> Payload:
+        """The global model and the protected bases."""
+        return {"model": state["model"], "fedpr_basis": state["fedpr_basis"]}
+
+    def aggregate(self, info: RoundInfo, state: Payload, results: list[FitResult]) -> Payload:
+        """FedAvg, then each block's protected basis (accumulating PᵀP over rounds when ``accumulate``)."""
+        state = super().aggregate(info, state, results)
+        new = state["model"]
+        keep = float(self.params["keep_ratio"])
+        bases: dict[str, Tensor] = {}
+        cov_sums = dict(state["fedpr_cov"])
+        for name in [k for k in new if k.startswith("prompts.")]:
+            p = new[name].detach().double()  # (n, D)
+            cov = p.T @ p  # uncentred covariance of the global prompt tokens (official: bmm(pᵀ, p))
+            if self.params["accumulate"]:
+                prev = cov_sums.get(name)
+                cov = cov if prev is None else prev + cov
+                cov_sums[name] = cov
+            bases[name] = protected_basis(cov, keep).to(new[name].dtype)
+        return {**state, "fedpr_basis": bases, "fedpr_cov": cov_sums}
+
+
+class FedPRClient(Client):
+    """Cross-entropy training with every prompt step projected onto the global prompts' null space."""
+
+    def train(self, model: nn.Module, cid: int, state: Payload, downlink: Payload, data: ClientData,
+              settings: TrainSettings) -> tuple[dict[str, float], None]:
+        """The experiment's optimiser; after each step the prompts' change is projected."""
+        named = dict(model.named_parameters())
+        protected = [(named[n], b) for n, b in downlink.get("fedpr_basis", {}).items() if b.shape[1] > 0]
+        params = [named[k] for k in self.method.trainable_keys(cid)]
+        opt = make_optimizer(params, settings.optimizer)
+        total, count = None, 0  # the loss sum stays on the device: no GPU sync per step
+        for _ in range(settings.local_epochs):
+            for batch in data.batches():
+                opt.zero_grad(set_to_none=True)
+                with autocast_for(batch.x):
+                    loss = self.loss(model, batch)
+                loss.backward()
+                before = [p.detach().clone() for p, _ in protected]
+                opt.step()
+                with torch.no_grad():
+                    for (p, basis), old in zip(protected, before, strict=True):
+                        p.copy_(old + project_out(p - old, basis))
+                step = loss.detach().double() * len(batch.y)
+                total = step if total is None else total + step
+                count += len(batch.y)
+        return {"loss": float(total) / count if count else float("nan")}, None
+
+
+class FedPR(PromptMethod):
     """FedPR on a frozen ViT: VPT-deep prompts (1 token per block) + head; prompt updates projected onto the
     approximate null space of the current global prompts.
 
@@ -49,7 +106,7 @@ class FedPR(Method):
          block's global prompt matrix P (n tokens x D), it forms the uncentred covariance M = PᵀP, takes its
          eigen-decomposition (SVD of a PSD matrix) and protects the top-k eigen-directions; the remaining
          directions (small singular values) span the approximate null space of the global prompts.
-         The protected bases live in ``server_state['fedpr_basis']`` and clients read them.
+         The protected bases live in the server state (``fedpr_basis``) and go to clients in every downlink.
       2. Client: trains prompts + head with the experiment's optimiser; after every optimiser step the change
          of each prompt is projected onto that null space (the official AdamSVD projects the optimiser's
          update, ``update @ V Vᵀ``), so local training cannot move the global prompts' own directions.
@@ -76,61 +133,11 @@ class FedPR(Method):
         config, where the two agree).
       * ``accumulate`` = False follows the official code (M from the current global prompts only). True sums
         PᵀP over rounds (Adam-NSCL style), protecting the span of all past global prompts (capped as above);
-        the running sums are kept in ``server_state['fedpr_cov']``.
+        the running sums are kept in the server state (``fedpr_cov``).
     """
 
     name = "fedpr"
+    prompt_mode = "deep"
     defaults = {"num_prompts": 1, "keep_ratio": 0.8, "accumulate": False}
-
-    def build(self) -> nn.Module:
-        """Prompted classifier with ``num_prompts`` tokens per block, replaced at every block (VPT-deep)."""
-        return PromptClassifier(self.backbone, self.num_classes, "deep", self.params["num_prompts"])
-
-    def prompt_names(self) -> list[str]:
-        """The per-block prompt tensors, the ones whose updates are projected."""
-        return [n for n in self.trainable_names() if n.startswith("prompts.")]
-
-    def init_server_state(self) -> dict[str, Any]:
-        """No protected directions before the first aggregation."""
-        return {"fedpr_basis": {}, "fedpr_cov": {}}
-
-    def aggregate(self, global_state: dict[str, Tensor], uploads: list[dict[str, Any]],
-                  weights: list[float], server_state: dict[str, Any]) -> dict[str, Tensor]:
-        """FedAvg, then the protected (top-eigen) directions of every block's new global prompts."""
-        new = super().aggregate(global_state, uploads, weights, server_state)
-        keep = float(self.params["keep_ratio"])
-        bases: dict[str, Tensor] = {}
-        for name in self.prompt_names():
-            p = new[name].detach().double()  # (n, D)
-            cov = p.T @ p  # uncentred covariance of the global prompt tokens (official: bmm(pᵀ, p))
-            if self.params["accumulate"]:
-                prev = server_state["fedpr_cov"].get(name)
-                cov = cov if prev is None else prev + cov
-                server_state["fedpr_cov"][name] = cov
-            bases[name] = protected_basis(cov, keep).to(new[name].dtype)
-        server_state["fedpr_basis"] = bases
-        return new
-
-    def local_update(self, data: ClientData, settings: TrainSettings) -> dict[str, float]:
-        """Cross-entropy training with every prompt step projected onto the global prompts' null space."""
-        params_by_name = dict(self.model.named_parameters())
-        bases = self.server_state.get("fedpr_basis", {})
-        protected = [(params_by_name[n], b) for n, b in bases.items() if b.shape[1] > 0]
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        opt = make_optimizer(params, settings.optimizer)
-        total, count = None, 0  # the loss sum stays on the device: no GPU sync per step
-        for _ in range(settings.local_epochs):
-            for x, y in data.batches():
-                opt.zero_grad(set_to_none=True)
-                with autocast_for(x):
-                    loss = self.loss(x, y)
-                loss.backward()
-                before = [p.detach().clone() for p, _ in protected]
-                opt.step()
-                with torch.no_grad():
-                    for (p, basis), old in zip(protected, before, strict=True):
-                        p.copy_(old + project_out(p - old, basis))
-                step = loss.detach().double() * len(y)
-                total = step if total is None else total + step
-                count += len(y)
-        return {"loss": float(total) / count if count else float("nan")}
+    client_role = FedPRClient
+    strategy_role = FedPRServer

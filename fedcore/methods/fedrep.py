@@ -3,10 +3,51 @@ from __future__ import annotations
 
 from torch import nn
 
-from fedcore.methods.base import ClientData, Method, PromptClassifier, TrainSettings
+from fedcore.engine.optim import ClientData, TrainSettings, only_training, run_epochs
+from fedcore.engine.roles import Client, Payload
+from fedcore.methods.base import PersonalEvaluator, PromptMethod
 
 
-class FedRep(Method):
+class FedRepClient(Client):
+    """Head phase (prompts frozen), then body phase (head frozen); uploads the prompts, keeps the head."""
+
+    def shared_keys(self, keys: list[str]) -> list[str]:
+        """The prompts (the representation) are averaged."""
+        return [k for k in keys if k.startswith("prompts.")]
+
+    def personal_keys(self, keys: list[str]) -> list[str]:
+        """Each client's head stays with it."""
+        return [k for k in keys if k.startswith("head.")]
+
+    def epochs(self, local_epochs: int) -> tuple[int, int]:
+        """(head_epochs, body_epochs) for the experiment's E."""
+        body = int(self.params["body_epochs"])
+        head = self.params["head_epochs"]
+        head = max(local_epochs - body, 1) if head is None else int(head)
+        return head, body
+
+    def train_phase(self, model: nn.Module, keys: list[str], data: ClientData, settings: TrainSettings,
+                    epochs: int) -> dict[str, float]:
+        """Train only ``keys`` for ``epochs`` epochs; every other tensor gets no gradient meanwhile."""
+        if epochs <= 0:
+            return {"loss": float("nan")}
+        with only_training(model, keys) as params:
+            return run_epochs(params, data, settings, epochs, lambda b: self.loss(model, b))[0]
+
+    def train(self, model: nn.Module, cid: int, state: Payload, downlink: Payload, data: ClientData,
+              settings: TrainSettings) -> tuple[dict[str, float], None]:
+        """Head phase, then body phase; loss = epoch-weighted mean of both."""
+        head_epochs, body_epochs = self.epochs(settings.local_epochs)
+        keys = self.method.keys(cid)
+        head = self.train_phase(model, self.personal_keys(keys), data, settings, head_epochs)
+        body = self.train_phase(model, self.shared_keys(keys), data, settings, body_epochs)
+        parts = [(head["loss"], head_epochs), (body["loss"], body_epochs)]
+        parts = [(loss, e) for loss, e in parts if e > 0]
+        loss = sum(loss * e for loss, e in parts) / sum(e for _, e in parts) if parts else float("nan")
+        return {"loss": loss, "head_loss": head["loss"], "body_loss": body["loss"]}, None
+
+
+class FedRep(PromptMethod):
     """FedRep (Collins, Hassani, Mokhtari, Shakkottai; ICML 2021) with prompts as the representation.
 
     Per round, each sampled client (1) trains its personal linear head for ``head_epochs`` epochs with the
@@ -27,50 +68,7 @@ class FedRep(Method):
     """
 
     name = "fedrep"
-    personalized = True
+    prompt_mode = "shallow"
     defaults = {"num_prompts": 1, "body_epochs": 1, "head_epochs": None}
-
-    def build(self) -> nn.Module:
-        """VPT-shallow prompted classifier: prompts = the shared body, head = the personal part."""
-        return PromptClassifier(self.backbone, self.num_classes, "shallow", self.params["num_prompts"])
-
-    def shared_names(self) -> list[str]:
-        """The prompts (the representation) are averaged."""
-        return [n for n in self.trainable_names() if n.startswith("prompts.")]
-
-    def personal_names(self) -> list[str]:
-        """Each client's head stays with it."""
-        return [n for n in self.trainable_names() if n.startswith("head.")]
-
-    def epochs(self, local_epochs: int) -> tuple[int, int]:
-        """(head_epochs, body_epochs) for the experiment's E."""
-        body = int(self.params["body_epochs"])
-        head = self.params["head_epochs"]
-        head = max(local_epochs - body, 1) if head is None else int(head)
-        return head, body
-
-    def train_phase(self, names: list[str], data: ClientData, settings: TrainSettings,
-                    epochs: int) -> dict[str, float]:
-        """Train only ``names`` for ``epochs`` epochs; every other trainable tensor is frozen meanwhile."""
-        if epochs <= 0:
-            return {"loss": float("nan")}
-        named = dict(self.model.named_parameters())
-        frozen = [n for n in self.trainable_names() if n not in names]
-        for n in frozen:
-            named[n].requires_grad_(False)  # no gradient reaches them, and none is computed through the head phase
-        try:
-            return self.run_epochs([named[n] for n in names], data, settings, epochs, self.loss)
-        finally:
-            for n in frozen:
-                named[n].requires_grad_(True)  # trainable_names() reads requires_grad: restore it
-
-    def local_update(self, data: ClientData, settings: TrainSettings) -> dict[str, float]:
-        """Head phase (prompts frozen), then body phase (head frozen); loss = epoch-weighted mean of both."""
-        head_epochs, body_epochs = self.epochs(settings.local_epochs)
-        head_names, body_names = self.personal_names(), self.shared_names()
-        head = self.train_phase(head_names, data, settings, head_epochs)
-        body = self.train_phase(body_names, data, settings, body_epochs)
-        parts = [(head["loss"], head_epochs), (body["loss"], body_epochs)]
-        parts = [(loss, e) for loss, e in parts if e > 0]
-        loss = sum(loss * e for loss, e in parts) / sum(e for _, e in parts) if parts else float("nan")
-        return {"loss": loss, "head_loss": head["loss"], "body_loss": body["loss"]}
+    client_role = FedRepClient
+    evaluator_role = PersonalEvaluator

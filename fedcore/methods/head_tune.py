@@ -4,12 +4,33 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn import functional as F
 
-from fedcore.methods.base import Method, autocast_for
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import autocast_for
+from fedcore.engine.roles import Client, Evaluator
+from fedcore.methods.base import PromptMethod
 
 
-class HeadTune(Method):
+class HeadClient(Client):
+    """Cross-entropy of the head on cached features (batches carry features as ``x``)."""
+
+    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        """CE of the head alone."""
+        return F.cross_entropy(model.head(batch.x), batch.y)
+
+
+class HeadEvaluator(Evaluator):
+    """Logits of the head on cached features."""
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, batch: Batch) -> Tensor:
+        """The head's logits."""
+        return model.head(batch.x)
+
+
+class HeadTune(PromptMethod):
     """Linear probe trained federatedly.
 
     The CLS feature does not depend on anything trained, so the engine computes it once per image and
@@ -17,19 +38,14 @@ class HeadTune(Method):
     """
 
     name = "head_tune"
+    client_role = HeadClient
+    evaluator_role = HeadEvaluator
 
-    def frozen_features(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def frozen_features(self) -> Callable[[Tensor], Tensor]:
         """The un-prompted backbone's final-norm CLS token (bf16 on CUDA, like every other forward)."""
-        def cls(x: torch.Tensor) -> torch.Tensor:
+        model = self.model
+
+        def cls(x: Tensor) -> Tensor:
             with autocast_for(x):
-                return self.model.features(x)
+                return model.features(x)
         return cls
-
-    def loss(self, feats: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the head on cached features."""
-        return nn.functional.cross_entropy(self.model.head(feats), y)
-
-    @torch.no_grad()
-    def predict(self, feats: torch.Tensor) -> torch.Tensor:
-        """Logits of the head on cached features."""
-        return self.model.head(feats)

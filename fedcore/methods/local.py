@@ -1,12 +1,22 @@
 """Local: every client trains its own prompts and head on its own data; nothing is communicated."""
 from __future__ import annotations
 
-from torch import nn
-
-from fedcore.methods.base import Method, PromptClassifier
+from fedcore.methods.base import BatchableClient, EveryClient, PersonalEvaluator, PromptMethod
 
 
-class Local(Method):
+class LocalClient(BatchableClient):
+    """Keeps everything it trains; sends nothing."""
+
+    def shared_keys(self, keys: list[str]) -> list[str]:
+        """Nothing is sent to the server."""
+        return []
+
+    def personal_keys(self, keys: list[str]) -> list[str]:
+        """Every state tensor stays with its client."""
+        return list(keys)
+
+
+class Local(PromptMethod):
     """No-communication baseline: VPT-shallow prompts + head per client, evaluated per client.
 
     Every client trains every round (participation does not apply: there is no server to talk to),
@@ -14,19 +24,8 @@ class Local(Method):
     """
 
     name = "local"
-    personalized = True
-    train_all_clients = True
-    batched_clients = True
+    prompt_mode = "shallow"
     defaults = {"num_prompts": 1}
-
-    def build(self) -> nn.Module:
-        """Same model as FedVPT, but owned by each client."""
-        return PromptClassifier(self.backbone, self.num_classes, "shallow", self.params["num_prompts"])
-
-    def shared_names(self) -> list[str]:
-        """Nothing is sent to the server."""
-        return []
-
-    def personal_names(self) -> list[str]:
-        """Every trainable tensor stays with its client."""
-        return self.trainable_names()
+    client_role = LocalClient
+    strategy_role = EveryClient
+    evaluator_role = PersonalEvaluator

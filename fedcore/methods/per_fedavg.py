@@ -7,7 +7,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fedcore.methods.base import ClientData, Method, PromptClassifier, TrainSettings, autocast_for, make_optimizer
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer
+from fedcore.engine.roles import Client, Evaluator, Payload
+from fedcore.methods.base import PromptMethod
 
 
 def halves(x: Tensor, y: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
@@ -18,7 +21,81 @@ def halves(x: Tensor, y: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, T
     return (x[:h], y[:h]), (x[h:], y[h:])
 
 
-class PerFedAvg(Method):
+def grads(model: nn.Module, params: list[nn.Parameter], x: Tensor, y: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+    """Gradients of the batch cross-entropy w.r.t. ``params`` and the (detached) loss."""
+    with autocast_for(x):
+        loss = F.cross_entropy(model(x).float(), y)
+    return torch.autograd.grad(loss, params), loss.detach()
+
+
+class PerFedAvgClient(Client):
+    """E epochs of first-order MAML steps; everything is shared."""
+
+    def train(self, model: nn.Module, cid: int, state: Payload, downlink: Payload, data: ClientData,
+              settings: TrainSettings) -> tuple[dict[str, float], None]:
+        """First-order Per-FedAvg steps; returns the mean loss at the adapted points."""
+        alpha = float(self.params["alpha"])
+        beta = settings.optimizer.get("lr", 0.01) if self.params["beta"] is None else float(self.params["beta"])
+        named = dict(model.named_parameters())
+        params = [named[k] for k in self.method.trainable_keys(cid)]
+        opt = make_optimizer(params, {**settings.optimizer, "lr": beta})
+        total, count = None, 0
+        for _ in range(settings.local_epochs):
+            for batch in data.batches():
+                (x1, y1), (x2, y2) = halves(batch.x, batch.y)
+                inner, _ = grads(model, params, x1, y1)
+                start = [p.detach().clone() for p in params]
+                with torch.no_grad():
+                    for p, g in zip(params, inner, strict=True):
+                        p.sub_(alpha * g)                        # temporary adapted point w'
+                outer, loss = grads(model, params, x2, y2)
+                with torch.no_grad():
+                    for p, w, g in zip(params, start, outer, strict=True):
+                        p.copy_(w)                               # the meta-step is applied at w, not w'
+                        p.grad = g
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                step = loss.double() * len(y2)
+                total = step if total is None else total + step
+                count += len(y2)
+        return {"loss": float(total) / count if count else float("nan")}, None
+
+
+class PerFedAvgEvaluator(Evaluator):
+    """Each client adapts the global model with ``eval_steps`` plain SGD steps on its own training batches."""
+
+    personalized = True
+
+    def load(self, model: nn.Module, cid: int | None, server: Payload, client_state: Payload | None,
+             data: ClientData | None) -> None:
+        """The global model, then (for a client) ``eval_steps`` SGD steps of size alpha on its batches."""
+        super().load(model, cid, server, client_state, data)
+        if cid is None:
+            return
+        named = dict(model.named_parameters())
+        params = [named[k] for k in self.method.trainable_keys(cid)]
+        batches = cycle(data)
+        with torch.enable_grad():
+            for _ in range(int(self.params["eval_steps"])):
+                b = next(batches)
+                g, _ = grads(model, params, b.x, b.y)
+                with torch.no_grad():
+                    for p, gi in zip(params, g, strict=True):
+                        p.sub_(float(self.params["alpha"]) * gi)
+
+
+def cycle(data: ClientData) -> Iterator[Batch]:
+    """The client's batches, starting a new pass whenever one ends (more eval steps than batches)."""
+    while True:
+        empty = True
+        for batch in data.batches():
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError(f"per_fedavg: client {data.cid} has no training batches to adapt on")
+
+
+class PerFedAvg(PromptMethod):
     """Per-FedAvg (Fallah, Mokhtari, Ozdaglar; NeurIPS 2020), first-order (FO) variant, on VPT-shallow + head.
 
     Local update (E epochs): each minibatch of the experiment's size B is split into two halves D and D';
@@ -43,73 +120,7 @@ class PerFedAvg(Method):
     """
 
     name = "per_fedavg"
-    personalized = True
+    prompt_mode = "shallow"
     defaults = {"num_prompts": 1, "alpha": 0.01, "beta": None, "eval_steps": 1}
-
-    def build(self) -> nn.Module:
-        """Same VPT-shallow prompted classifier as FedVPT; all of it is shared and averaged."""
-        return PromptClassifier(self.backbone, self.num_classes, "shallow", self.params["num_prompts"])
-
-    def _params(self) -> list[nn.Parameter]:
-        """The trainable tensors in ``trainable_names`` order."""
-        named = dict(self.model.named_parameters())
-        return [named[n] for n in self.trainable_names()]
-
-    def _grads(self, params: list[nn.Parameter], x: Tensor, y: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
-        """Gradients of the batch cross-entropy w.r.t. ``params`` and the (detached) loss."""
-        with autocast_for(x):
-            loss = F.cross_entropy(self.model(x).float(), y)
-        return torch.autograd.grad(loss, params), loss.detach()
-
-    def local_update(self, data: ClientData, settings: TrainSettings) -> dict[str, float]:
-        """E epochs of first-order Per-FedAvg steps; returns the mean loss at the adapted points."""
-        alpha = float(self.params["alpha"])
-        beta = settings.optimizer.get("lr", 0.01) if self.params["beta"] is None else float(self.params["beta"])
-        params = self._params()
-        opt = make_optimizer(params, {**settings.optimizer, "lr": beta})
-        total, count = None, 0
-        for _ in range(settings.local_epochs):
-            for x, y in data.batches():
-                (x1, y1), (x2, y2) = halves(x, y)
-                inner, _ = self._grads(params, x1, y1)
-                start = [p.detach().clone() for p in params]
-                with torch.no_grad():
-                    for p, g in zip(params, inner, strict=True):
-                        p.sub_(alpha * g)                        # temporary adapted point w'
-                outer, loss = self._grads(params, x2, y2)
-                with torch.no_grad():
-                    for p, w, g in zip(params, start, outer, strict=True):
-                        p.copy_(w)                               # the meta-step is applied at w, not w'
-                        p.grad = g
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                step = loss.double() * len(y2)
-                total = step if total is None else total + step
-                count += len(y2)
-        return {"loss": float(total) / count if count else float("nan")}
-
-    def eval_state(self, cid: int, global_state: dict[str, Tensor], personal_state: dict[str, Tensor],
-                   server_state: dict, data: ClientData) -> dict[str, Tensor]:
-        """The global model after ``eval_steps`` plain SGD steps (size alpha) on the client's training batches."""
-        self.set_state({**global_state, **personal_state})
-        params = self._params()
-        batches = self._cycle(data)
-        with torch.enable_grad():
-            for _ in range(int(self.params["eval_steps"])):
-                x, y = next(batches)
-                grads, _ = self._grads(params, x, y)
-                with torch.no_grad():
-                    for p, g in zip(params, grads, strict=True):
-                        p.sub_(float(self.params["alpha"]) * g)
-        return self.get_state(self.trainable_names())
-
-    @staticmethod
-    def _cycle(data: ClientData) -> Iterator[tuple[Tensor, Tensor]]:
-        """The client's batches, starting a new pass whenever one ends (more eval steps than batches)."""
-        while True:
-            empty = True
-            for batch in data.batches():
-                empty = False
-                yield batch
-            if empty:
-                raise ValueError(f"per_fedavg: client {data.cid} has no training batches to adapt on")
+    client_role = PerFedAvgClient
+    evaluator_role = PerFedAvgEvaluator

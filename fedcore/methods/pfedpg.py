@@ -7,9 +7,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedcore.backbones.prompted import PromptedViT, init_prompts
+from fedcore.backbones.prompted import init_prompts
 from fedcore.engine.aggregation import normalized_weights
-from fedcore.methods.base import ClientData, Method, PromptClassifier
+from fedcore.engine.optim import ClientData
+from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, load_state
+from fedcore.methods.base import BatchableClient, PersonalEvaluator, PromptMethod
 
 PROMPT = "prompts.0"  # the VPT-shallow prompt tokens (num_prompts, D) that the generator produces
 GENERATOR = ("descriptors", "keys", "basis")  # server_state tensors of the generator
@@ -23,11 +25,88 @@ def generate(server_state: dict[str, Any], cids: list[int] | Tensor) -> Tensor:
     return attn @ basis  # (n, L, D)
 
 
-class PFedPG(Method):
+class PFedPGClient(BatchableClient):
+    """Adapts its generated prompts and trains its own head with plain CE (so clients may train together)."""
+
+    def shared_keys(self, keys: list[str]) -> list[str]:
+        """The adapted prompts go to the server (they drive the generator update)."""
+        return [PROMPT]
+
+    def personal_keys(self, keys: list[str]) -> list[str]:
+        """Heads stay local; with eval on adapted prompts, the client also keeps its last adapted prompts."""
+        heads = [k for k in keys if k.startswith("head.")]
+        return heads + ([PROMPT] if self.params["eval_prompts"] == "adapted" else [])
+
+    def start(self, model: nn.Module, cid: int, state: Payload, downlink: Payload) -> None:
+        """Its own head (and last prompts), then the freshly generated prompts on top."""
+        load_state(model, state.get("model", {}))
+        load_state(model, downlink["model"])
+
+
+class PFedPGServer(Strategy):
+    """The prompt generator: one downlink of generated prompts per client; one generator step per round."""
+
+    def init_state(self, num_clients: int) -> Payload:
+        """The generator for the run's M clients (drawn on the CPU so every device gets the same tensors)."""
+        state = super().init_state(num_clients)
+        dim = self.method.model.backbone.embed_dim
+        n, k, h = self.params["num_prompts"], self.params["num_bases"], self.params["desc_dim"]
+        device = self.method.model.head.weight.device
+        state["descriptors"] = torch.randn(num_clients, n, h).to(device)
+        state["keys"] = torch.randn(k, h).to(device)
+        state["basis"] = init_prompts(k, dim, self.method.model.backbone.patch_size).detach().to(device)
+        state["seen"] = torch.zeros(num_clients, dtype=torch.bool, device=device)
+        return state
+
+    def configure(self, state: Payload, cid: int) -> Payload:
+        """Client ``cid``'s generated prompts."""
+        with torch.no_grad():
+            prompt = generate(state, [cid])[0]
+        return {"model": {**state["model"], PROMPT: prompt}}
+
+    def aggregate(self, info: RoundInfo, state: Payload, results: list[FitResult]) -> Payload:
+        """One SGD step of the generator along the clients' prompt updates; global = mean generated prompt."""
+        state = dict(state)
+        cids = [r.cid for r in results]
+        # one full pFedHN step per client (weights sum to the number of clients), sample-size weighted
+        w = torch.tensor(normalized_weights([float(r.num_samples) for r in results]),
+                         device=state["basis"].device) * len(results)
+        phi = {k: state[k].detach().clone().requires_grad_(True) for k in GENERATOR}
+        with torch.enable_grad():
+            generated = generate(phi, cids)                                   # (n, L, D)
+            adapted = torch.stack([r.uplink["model"][PROMPT].to(generated) for r in results])
+            signal = (generated - adapted).detach()                           # = -Delta_n: a descent direction
+            surrogate = (w.view(-1, 1, 1) * generated * signal).sum()         # d/dphi = sum_n w_n J_n^T signal_n
+            grads = torch.autograd.grad(surrogate, list(phi.values()))
+        lr = float(self.params["gen_lr"])
+        for k, g in zip(GENERATOR, grads, strict=True):
+            state[k] = (phi[k] - lr * g).detach()
+        state["seen"] = state["seen"].clone()
+        state["seen"][torch.tensor(cids, device=state["seen"].device)] = True
+        with torch.no_grad():
+            everyone = generate(state, torch.arange(len(state["descriptors"])))
+        state["model"] = {PROMPT: everyone.mean(dim=0).to(state["model"][PROMPT].dtype)}
+        return state
+
+
+class PFedPGEvaluator(PersonalEvaluator):
+    """A trained client is scored with its last adapted prompts ("adapted"); otherwise with generated ones."""
+
+    def load(self, model: nn.Module, cid: int | None, server: Payload, client_state: Payload | None,
+             data: ClientData | None) -> None:
+        """The client's last trained prompts + head ("adapted", once sampled), else its generated prompts + head."""
+        if cid is not None and self.params["eval_prompts"] == "adapted" and bool(server["seen"][cid]):
+            load_state(model, server["model"])
+            load_state(model, (client_state or {}).get("model", {}))
+            return
+        super().load(model, cid, server, client_state, data)
+
+
+class PFedPG(PromptMethod):
     """pFedPG (Yang, Wang, Wang; ICCV 2023): client-specific prompt generation at the server.
 
     Algorithm, per round: the server generates client n's prompts P_n = G(d_n) from its learnable descriptor
-    d_n (``start_state``); client n trains the VPT-shallow prompts and its own linear head for the experiment's
+    d_n (its downlink, ``configure``); client n trains the VPT-shallow prompts and its own linear head for the experiment's
     E epochs with the experiment's optimiser (plain cross-entropy, so the engine may batch clients) and uploads
     the adapted prompts P~_n; the server takes one SGD step on the generator with the chain-rule gradient
     sum_n w_n (dP_n/dphi)^T (P_n - P~_n), i.e. the local update Delta_n = P~_n - P_n is the descent direction
@@ -39,7 +118,7 @@ class PFedPG(Method):
     prompt basis B (num_bases, D)}; P_n = softmax(d_n K^T / sqrt(h)) B, i.e. each of client n's L prompt
     tokens is an attention-weighted mixture of a client-agnostic prompt basis, queried by the client's
     descriptor. d and K are N(0, 1) (different clients start from different mixtures), B has VPT's uniform
-    init. Defaults num_bases = 8, desc_dim = 32; all generator tensors live in ``server_state`` (checkpointed).
+    init. Defaults num_bases = 8, desc_dim = 32; all generator tensors live in the server state (checkpointed).
 
     Generator learning rate ``gen_lr`` = 1.0 with plain SGD (no momentum), the natural scale of the
     regression step: with one-hot attention a client's generated prompt lands exactly on its adapted one;
@@ -62,76 +141,14 @@ class PFedPG(Method):
     """
 
     name = "pfedpg"
-    personalized = True
-    batched_clients = True  # the local update is plain cross-entropy on prompts + head, from per-client starts
+    prompt_mode = "shallow"
     defaults = {"num_prompts": 1, "num_bases": 8, "desc_dim": 32, "gen_lr": 1.0, "eval_prompts": "adapted"}
+    client_role = PFedPGClient
+    strategy_role = PFedPGServer
+    evaluator_role = PFedPGEvaluator
 
-    def __init__(self, backbone: PromptedViT, num_classes: int, params: dict | None = None) -> None:
-        """Check ``eval_prompts`` on top of the base class's parameter checks."""
-        super().__init__(backbone, num_classes, params)
+    def check_params(self) -> None:
+        """``eval_prompts`` must be adapted|generated."""
         if self.params["eval_prompts"] not in ("adapted", "generated"):
             raise ValueError(f"method_params.pfedpg.eval_prompts must be adapted|generated, "
                              f"got {self.params['eval_prompts']!r}")
-
-    def build(self) -> nn.Module:
-        """VPT-shallow prompted classifier; its prompts are overwritten by the generator's each round."""
-        return PromptClassifier(self.backbone, self.num_classes, "shallow", self.params["num_prompts"])
-
-    def shared_names(self) -> list[str]:
-        """The adapted prompts go to the server (they drive the generator update)."""
-        return [PROMPT]
-
-    def personal_names(self) -> list[str]:
-        """Heads stay local; with eval on adapted prompts, the client also keeps its last adapted prompts."""
-        heads = [n for n in self.trainable_names() if n.startswith("head.")]
-        return heads + ([PROMPT] if self.params["eval_prompts"] == "adapted" else [])
-
-    def setup(self, clients: list[ClientData], server_state: dict[str, Any]) -> None:
-        """Create the generator for the run's M clients (drawn on the CPU so every device gets the same tensors)."""
-        num_clients, dim = len(clients), self.backbone.embed_dim
-        n, k, h = self.params["num_prompts"], self.params["num_bases"], self.params["desc_dim"]
-        device = self.model.head.weight.device
-        server_state["descriptors"] = torch.randn(num_clients, n, h).to(device)
-        server_state["keys"] = torch.randn(k, h).to(device)
-        server_state["basis"] = init_prompts(k, dim, self.backbone.patch_size).detach().to(device)
-        server_state["seen"] = torch.zeros(num_clients, dtype=torch.bool, device=device)
-
-    def start_state(self, cid: int, global_state: dict[str, Tensor], personal_state: dict[str, Tensor],
-                    server_state: dict[str, Any]) -> dict[str, Tensor]:
-        """Client ``cid`` starts from its generated prompts and its own head."""
-        with torch.no_grad():
-            prompt = generate(server_state, [cid])[0]
-        return {**global_state, **personal_state, PROMPT: prompt}
-
-    def eval_state(self, cid: int, global_state: dict[str, Tensor], personal_state: dict[str, Tensor],
-                   server_state: dict[str, Any], data: ClientData) -> dict[str, Tensor]:
-        """The client's last trained prompts + head ("adapted", once sampled), else its generated prompts + head."""
-        if self.params["eval_prompts"] == "adapted" and bool(server_state["seen"][cid]):
-            return {**global_state, **personal_state}
-        return self.start_state(cid, global_state, personal_state, server_state)
-
-    def upload(self, data: ClientData, stats: dict[str, float]) -> dict[str, Any]:
-        """The adapted prompts and whose they are (the server regenerates the starting prompts itself)."""
-        return {**self.get_state([PROMPT]), "cid": data.cid}
-
-    def aggregate(self, global_state: dict[str, Tensor], uploads: list[dict[str, Any]], weights: list[float],
-                  server_state: dict[str, Any]) -> dict[str, Tensor]:
-        """One SGD step of the generator along the clients' prompt updates; global = mean generated prompt."""
-        cids = [int(u["cid"]) for u in uploads]
-        # one full pFedHN step per client (weights sum to the number of clients), sample-size weighted
-        w = torch.tensor(normalized_weights(weights), device=server_state["basis"].device) * len(uploads)
-        phi = {k: server_state[k].detach().clone().requires_grad_(True) for k in GENERATOR}
-        with torch.enable_grad():
-            generated = generate(phi, cids)                                   # (n, L, D)
-            adapted = torch.stack([u[PROMPT].to(generated) for u in uploads])
-            signal = (generated - adapted).detach()                           # = -Delta_n: a descent direction
-            surrogate = (w.view(-1, 1, 1) * generated * signal).sum()         # d/dphi = sum_n w_n J_n^T signal_n
-            grads = torch.autograd.grad(surrogate, list(phi.values()))
-        lr = float(self.params["gen_lr"])
-        for k, g in zip(GENERATOR, grads, strict=True):
-            server_state[k] = (phi[k] - lr * g).detach()
-        server_state["seen"] = server_state["seen"].clone()
-        server_state["seen"][torch.tensor(cids, device=server_state["seen"].device)] = True
-        with torch.no_grad():
-            everyone = generate(server_state, torch.arange(len(server_state["descriptors"])))
-        return {PROMPT: everyone.mean(dim=0).to(global_state[PROMPT].dtype)}

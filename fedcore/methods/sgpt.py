@@ -36,8 +36,11 @@ from torch.nn import functional as F
 from fedcore.analysis.clustering import hungarian_accuracy
 from fedcore.backbones.prompted import PromptedViT, init_prompts
 from fedcore.engine.aggregation import weighted_average
-from fedcore.engine.data import QueryBatch
-from fedcore.methods.base import ClientData, Method, RoundContext, TrainSettings, autocast_for
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, only_training, run_epochs
+from fedcore.engine.roles import Client, Evaluator, FitResult, Method, Payload, RoundContext, RoundInfo, Strategy
+
+QUERY = "select_query"  # the batch extra holding each sample's cached Select query
 
 SCHEDULES = ("bcd", "bcd_inv", "joint")
 
@@ -103,11 +106,137 @@ class SGPTModel(nn.Module):
         return self.head(feat)
 
 
+def assign(queries: Tensor, keys: Tensor, params: dict, freq: Tensor | None, train: bool) -> tuple[Tensor, Tensor]:
+    """(groups (B,), key loss) for a batch of raw queries; calibrated (by ``freq``) and voted only in training."""
+    with torch.autocast(queries.device.type, enabled=False):
+        cos = select_scores(queries, keys)
+        dist = 1.0 - cos.detach()
+        if train and freq is not None:
+            dist = dist * (freq.to(dist) + float(params["calibration_eps"]))
+        groups = dist.argmin(dim=1)
+        if train and params["batch_vote"]:
+            groups = torch.full_like(groups, int(torch.bincount(groups, minlength=cos.shape[1]).argmax()))
+        key_loss = -cos.gather(1, groups[:, None]).mean()  # gradient reaches the keys only
+    return groups, key_loss
+
+
+class SGPTClient(Client):
+    """Block coordinate descent over the schedule's phases; uploads its tensors and its selection counts."""
+
+    def phases(self) -> list[tuple[list[str], bool, bool]]:
+        """(trainable prefixes, groups on, key loss) per phase of the configured schedule."""
+        p = self.params
+        has_s, has_g = bool(p["shared_blocks"]), bool(p["group_blocks"])
+        block1 = (["shared.", "head."], False, False)
+        block2 = (["group.", "keys", "head."], True, True)
+        if p["schedule"] == "joint":
+            return [(["shared.", "group.", "keys", "head."], has_g, has_g)]
+        if p["schedule"] == "bcd_inv":  # groups first; then shared with the groups inserted, frozen
+            return ([block2] if has_g else []) + ([(["shared.", "head."], has_g, False)] if has_s else [])
+        return ([block1] if has_s else []) + ([block2] if has_g else [])
+
+    def fit(self, cid: int, state: Payload, downlink: Payload, data: ClientData,
+            settings: TrainSettings) -> tuple[Payload, FitResult]:
+        """Start, train the phases, finish; the uplink also carries the round's selection counts N_g^i."""
+        model = self.method.model_for(cid)
+        self.start(model, cid, state, downlink)
+        stats, counts = self.train_phases(model, cid, downlink.get("v"), data, settings)
+        new_state, result = self.finish(model, cid, state, data, stats, None)
+        result.uplink["select_counts"] = counts
+        return new_state, result
+
+    def train_phases(self, model: nn.Module, cid: int, v: Tensor | None, data: ClientData,
+                     settings: TrainSettings) -> tuple[dict[str, float], Tensor]:
+        """The schedule's phases, each E epochs with a fresh optimiser over only its tensors."""
+        p = self.params
+        counts = torch.zeros(int(p["groups"]), dtype=torch.float64, device=model.keys.device)
+        freq = (v / v.sum()) if p["calibration"] and v is not None and float(v.sum()) > 0 else None
+        trainable = self.method.trainable_keys(cid)
+        stats: dict[str, float] = {}
+        for prefixes, groups_on, key_loss_on in self.phases():
+            keys = [k for k in trainable if any(k.startswith(x) for x in prefixes)]
+
+            def loss_fn(batch: Batch, groups_on=groups_on, key_loss_on=key_loss_on) -> Tensor:
+                if not groups_on:
+                    return F.cross_entropy(model(batch.x, None).float(), batch.y)
+                groups, key_loss = assign(batch.extras[QUERY], model.keys, p, freq, train=True)
+                if key_loss_on:  # N_g^i counts the selections of the phases that train the keys
+                    counts.add_(torch.bincount(groups, minlength=len(counts)))
+                loss = F.cross_entropy(model(batch.x, groups).float(), batch.y)
+                return loss + float(p["key_loss_weight"]) * key_loss if key_loss_on else loss
+
+            with only_training(model, keys) as params:  # frozen tensors get no gradient: the backward stops earlier
+                stats = run_epochs(params, data, settings, settings.local_epochs, loss_fn)[0]
+        return stats, counts.clone()
+
+
+class SGPTServer(Strategy):
+    """N_i-weighted head/prompts, count-weighted keys, momentum on keys and group prompts, counter v."""
+
+    def init_state(self, num_clients: int) -> Payload:
+        """The global model and the accumulated selection counter v_g (Alg. 2 line 14)."""
+        return {**super().init_state(num_clients), "v": torch.zeros(int(self.params["groups"]), dtype=torch.float64)}
+
+    def configure(self, state: Payload, cid: int) -> Payload:
+        """The global model and v_g (for the training-time calibration q_g)."""
+        return {"model": state["model"], "v": state["v"]}
+
+    def aggregate(self, info: RoundInfo, state: Payload, results: list[FitResult]) -> Payload:
+        """Alg. 2: averages, count-weighted keys, momentum, then v += the round's counts."""
+        p = self.params
+        glob = state["model"]
+        uploads = [r.uplink["model"] for r in results]
+        weights = [float(r.num_samples) for r in results]
+        names = [n for n in glob if n != "keys"]
+        new = weighted_average(uploads, weights, names=names)
+        counts = torch.stack([r.uplink["select_counts"].to(torch.float64) for r in results])  # (m, G)
+        total = counts.sum(dim=0)
+        new["keys"] = aggregate_keys([u["keys"] for u in uploads], counts, weights, p["key_aggregation"],
+                                     float(p["key_fallback_count"]))
+        a_k, a_g = float(p["key_momentum"]), float(p["group_momentum"])
+        new["keys"] = a_k * glob["keys"] + (1.0 - a_k) * new["keys"]
+        for n in names:
+            if n.startswith("group."):
+                new[n] = a_g * glob[n] + (1.0 - a_g) * new[n]
+        return {**state, "model": new, "v": state["v"].to(total) + total}
+
+
+class SGPTEvaluator(Evaluator):
+    """One global model; inference selects groups by plain argmax (Alg. 3); logs Select's statistics."""
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, batch: Batch) -> Tensor:
+        """Logits with plain argmax selection, no calibration, no local fine-tuning."""
+        groups = assign(batch.extras[QUERY], model.keys, self.params, None, train=False)[0] \
+            if self.params["group_blocks"] else None
+        with autocast_for(batch.x):
+            return model(batch.x, groups).float()
+
+    @torch.no_grad()
+    def round_rows(self, ctx: RoundContext, model: nn.Module, server: Payload) -> list[tuple[int, str, str, float]]:
+        """Trace client's per-group selection counts (Fig. 3); Select's clustering accuracy (Table 4)."""
+        if not self.params["group_blocks"]:
+            return []
+        rows: list[tuple[int, str, str, float]] = []
+        c = int(self.params["trace_client"])
+        queries = ctx.train.extras.get(QUERY)
+        if 0 <= c < len(ctx.client_train) and queries is not None:
+            groups = select_groups(queries[ctx.client_train[c]], model.keys)
+            counts = torch.bincount(groups, minlength=int(self.params["groups"])).tolist()
+            rows += [(c, "train", f"select_g{g:02d}", float(n)) for g, n in enumerate(counts)]
+        src = ctx.eval_sets.source
+        if ctx.evaluated and src.coarse is not None and QUERY in src.extras:
+            idx = ctx.eval_sets.pooled
+            pred = select_groups(src.extras[QUERY][idx], model.keys).cpu().numpy()
+            acc = hungarian_accuracy(pred, src.coarse[idx].cpu().numpy())
+            rows.append((-1, "global", "select_cluster_acc", acc))
+        return rows
+
+
 class SGPT(Method):
     """Shared + group prompts with Select, block coordinate descent and momentum aggregation."""
 
     name = "sgpt"
-    uses_select_queries = True
     defaults = {
         "groups": 20,                    # G
         "shared_blocks": [0, 1, 2, 3],   # U_S, 0-indexed (CIFAR-100 s=10, spec §1.3)
@@ -125,9 +254,19 @@ class SGPT(Method):
         "schedule": "bcd",               # bcd | bcd_inv | joint (Table 3)
         "trace_client": 0,               # whose selection counts are logged every round (Fig. 3)
     }
+    #: params that name backbone blocks (checked against the backbone's depth when the config is loaded)
+    block_params = ("shared_blocks", "group_blocks", "select_block")
+    client_role = SGPTClient
+    strategy_role = SGPTServer
+    evaluator_role = SGPTEvaluator
 
-    def __init__(self, backbone: PromptedViT, num_classes: int, params: dict | None = None) -> None:
-        super().__init__(backbone, num_classes, params)
+    @classmethod
+    def artifacts(cls, params: dict) -> dict[str, str]:
+        """Each sample's Select query: the frozen final-norm CLS after ``select_block`` (rule ``features``)."""
+        return {QUERY: f"cls_block{int({**cls.defaults, **params}['select_block'])}"}
+
+    def check_params(self) -> None:
+        """Schedule, key aggregation, momentum ranges, and at least one prompt set."""
         p = self.params
         if p["schedule"] not in SCHEDULES:
             raise ValueError(f"method_params.sgpt.schedule must be one of {SCHEDULES}, got {p['schedule']!r}")
@@ -138,130 +277,12 @@ class SGPT(Method):
                 raise ValueError(f"method_params.sgpt.{k} must lie in [0, 1], got {p[k]}")
         if not p["shared_blocks"] and not p["group_blocks"]:
             raise ValueError("method_params.sgpt: shared_blocks and group_blocks cannot both be empty")
-        self._counts: Tensor | None = None
-        self._freq: Tensor | None = None  # q_g for this round's training-time calibration (None: plain argmin)
 
-    def build(self) -> nn.Module:
+    def build(self, backbone: PromptedViT) -> nn.Module:
         """SGPTModel with the configured block sets."""
         p = self.params
-        return SGPTModel(self.backbone, self.num_classes, int(p["groups"]), list(p["shared_blocks"]),
+        return SGPTModel(backbone, self.num_classes, int(p["groups"]), list(p["shared_blocks"]),
                          list(p["group_blocks"]), int(p["first_shared_tokens"]))
-
-    @property
-    def uses_groups(self) -> bool:
-        """Whether group prompts (and so Select and keys) are part of the model."""
-        return bool(self.params["group_blocks"])
-
-    def init_server_state(self) -> dict:
-        """The global accumulated selection counter v_g (Alg. 2 line 14)."""
-        return {"v": torch.zeros(int(self.params["groups"]), dtype=torch.float64)}
-
-    # ---- Select ---------------------------------------------------------------------------------
-    def assign(self, queries: Tensor, train: bool) -> tuple[Tensor, Tensor]:
-        """(groups (B,), key loss) for a batch of raw queries; calibrated and voted only in training."""
-        with torch.autocast(queries.device.type, enabled=False):
-            cos = select_scores(queries, self.model.keys)
-            dist = 1.0 - cos.detach()
-            if train and self._freq is not None:
-                dist = dist * (self._freq.to(dist) + float(self.params["calibration_eps"]))
-            groups = dist.argmin(dim=1)
-            if train and self.params["batch_vote"]:
-                groups = torch.full_like(groups, int(torch.bincount(groups, minlength=cos.shape[1]).argmax()))
-            key_loss = -cos.gather(1, groups[:, None]).mean()  # gradient reaches the keys only
-        return groups, key_loss
-
-    # ---- local update ---------------------------------------------------------------------------
-    def _phases(self) -> list[tuple[list[str], bool, bool]]:
-        """(trainable prefixes, groups on, key loss) per phase of the configured schedule."""
-        has_s, has_g = bool(self.params["shared_blocks"]), self.uses_groups
-        block1 = (["shared.", "head."], False, False)
-        block2 = (["group.", "keys", "head."], True, True)
-        if self.params["schedule"] == "joint":
-            return [(["shared.", "group.", "keys", "head."], has_g, has_g)]
-        if self.params["schedule"] == "bcd_inv":  # groups first; then shared with the groups inserted, frozen
-            return ([block2] if has_g else []) + ([(["shared.", "head."], has_g, False)] if has_s else [])
-        return ([block1] if has_s else []) + ([block2] if has_g else [])
-
-    def local_update(self, data: ClientData, settings: TrainSettings) -> dict[str, float]:
-        """The schedule's phases, each E epochs with a fresh optimiser over only its tensors."""
-        counts = torch.zeros(int(self.params["groups"]), dtype=torch.float64, device=self.model.keys.device)
-        v = self.server_state.get("v")
-        self._freq = (v / v.sum()) if self.params["calibration"] and v is not None and float(v.sum()) > 0 else None
-        named = dict(self.model.named_parameters())
-        trainable = {n: p for n, p in named.items() if p.requires_grad}
-        stats: dict[str, float] = {}
-        try:
-            for prefixes, groups_on, key_loss_on in self._phases():
-                params = [p for n, p in trainable.items() if any(n.startswith(x) for x in prefixes)]
-                for n, p in trainable.items():  # frozen tensors get no gradient: the backward stops earlier
-                    p.requires_grad_(any(n.startswith(x) for x in prefixes))
-
-                def loss_fn(batch: QueryBatch, y: Tensor, groups_on=groups_on, key_loss_on=key_loss_on) -> Tensor:
-                    if not groups_on:
-                        return F.cross_entropy(self.model(batch.x, None).float(), y)
-                    groups, key_loss = self.assign(batch.query, train=True)
-                    if key_loss_on:  # N_g^i counts the selections of the phases that train the keys
-                        counts.add_(torch.bincount(groups, minlength=len(counts)))
-                    loss = F.cross_entropy(self.model(batch.x, groups).float(), y)
-                    return loss + float(self.params["key_loss_weight"]) * key_loss if key_loss_on else loss
-
-                stats = self.run_epochs(params, data, settings, settings.local_epochs, loss_fn)
-        finally:
-            for p in trainable.values():
-                p.requires_grad_(True)
-        self._counts = counts
-        return stats
-
-    def upload(self, data: ClientData, stats: dict[str, float]) -> dict:
-        """Shared tensors plus this round's per-group selection counts N_g^i."""
-        counts = self._counts if self._counts is not None else torch.zeros(int(self.params["groups"]))
-        return {**self.get_state(self.shared_names()), "select_counts": counts.clone()}
-
-    # ---- server ---------------------------------------------------------------------------------
-    def aggregate(self, global_state: dict[str, Tensor], uploads: list[dict], weights: list[float],
-                  server_state: dict) -> dict[str, Tensor]:
-        """N_i-weighted head/prompts, count-weighted keys, momentum on keys and group prompts, counter v."""
-        p = self.params
-        names = [n for n in global_state if n != "keys"]
-        new = weighted_average(uploads, weights, names=names)
-        counts = torch.stack([u["select_counts"].to(torch.float64) for u in uploads])  # (m, G)
-        total = counts.sum(dim=0)
-        new["keys"] = aggregate_keys([u["keys"] for u in uploads], counts, weights, p["key_aggregation"],
-                                     float(p["key_fallback_count"]))
-        a_k, a_g = float(p["key_momentum"]), float(p["group_momentum"])
-        new["keys"] = a_k * global_state["keys"] + (1.0 - a_k) * new["keys"]
-        for n in names:
-            if n.startswith("group."):
-                new[n] = a_g * global_state[n] + (1.0 - a_g) * new[n]
-        server_state["v"] = server_state["v"].to(total) + total
-        return new
-
-    # ---- inference and logging ------------------------------------------------------------------
-    @torch.no_grad()
-    def predict(self, batch: QueryBatch) -> Tensor:
-        """Logits with plain argmax selection (Alg. 3), no calibration, no local fine-tuning."""
-        groups = self.assign(batch.query, train=False)[0] if self.uses_groups else None
-        with autocast_for(batch.x):
-            return self.model(batch.x, groups).float()
-
-    @torch.no_grad()
-    def round_rows(self, ctx: RoundContext) -> list[tuple[int, str, str, float]]:
-        """Trace client's per-group selection counts (Fig. 3); Select's clustering accuracy (Table 4)."""
-        if not self.uses_groups:
-            return []
-        rows: list[tuple[int, str, str, float]] = []
-        c = int(self.params["trace_client"])
-        if 0 <= c < len(ctx.client_train) and ctx.train.queries is not None:
-            groups = select_groups(ctx.train.queries[ctx.client_train[c]], self.model.keys)
-            counts = torch.bincount(groups, minlength=int(self.params["groups"])).tolist()
-            rows += [(c, "train", f"select_g{g:02d}", float(n)) for g, n in enumerate(counts)]
-        src = ctx.eval_sets.source
-        if ctx.evaluated and src.coarse is not None and src.queries is not None:
-            idx = ctx.eval_sets.pooled
-            pred = select_groups(src.queries[idx], self.model.keys).cpu().numpy()
-            acc = hungarian_accuracy(pred, src.coarse[idx].cpu().numpy())
-            rows.append((-1, "global", "select_cluster_acc", acc))
-        return rows
 
 
 def aggregate_keys(keys: list[Tensor], counts: Tensor, weights: list[float], rule: str,
@@ -278,4 +299,4 @@ def aggregate_keys(keys: list[Tensor], counts: Tensor, weights: list[float], rul
     return (w.to(stacked.device)[:, :, None] * stacked).sum(dim=0).to(keys[0].dtype)
 
 
-__all__ = ["SGPT", "SGPTModel", "aggregate_keys", "orthogonal_keys", "select_groups", "select_scores"]
+__all__ = ["SGPT", "SGPTModel", "aggregate_keys", "assign", "orthogonal_keys", "select_groups", "select_scores"]

@@ -9,23 +9,7 @@ import numpy as np
 import pandas as pd
 
 from fedcore.io import atomic_path
-
-# The long-form metrics schema, in column order: (name, dtype). "str" = any pandas string dtype.
-METRIC_SCHEMA: list[tuple[str, str]] = [
-    ("paper", "str"),
-    ("experiment", "str"),
-    ("method", "str"),
-    ("scale", "str"),
-    ("dataset", "str"),
-    ("seed", "int64"),
-    ("round", "int64"),
-    ("client", "int64"),
-    ("split", "str"),
-    ("metric", "str"),
-    ("value", "float64"),
-]
-METRIC_COLUMNS: list[str] = [name for name, _ in METRIC_SCHEMA]
-METRIC_DTYPES: dict[str, str] = dict(METRIC_SCHEMA)
+from fedcore.metrics import METRIC_COLUMNS, METRIC_DTYPES, METRIC_SCHEMA  # noqa: F401 - re-exported
 
 # One row per (run, round, client, split, metric); a duplicate means a run was counted twice.
 KEY_COLUMNS: list[str] = [c for c in METRIC_COLUMNS if c != "value"]

@@ -108,5 +108,5 @@ def personalized_flags(methods: list[str], base_method) -> dict[str, bool | None
     out: dict[str, bool | None] = {}
     for m in methods:
         base = base_method(m)
-        out[m] = bool(method_class(base).personalized) if base in METHODS and method_source(base).exists() else None
+        out[m] = bool(method_class(base).evaluator_role.personalized) if base in METHODS and method_source(base).exists() else None
     return out

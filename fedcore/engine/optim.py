@@ -1,0 +1,88 @@
+"""Local optimisation shared by every client: the experiment's optimiser, autocast, the epoch loop."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from fedcore.engine.data import Batch
+
+
+@dataclass
+class TrainSettings:
+    """The budget and optimiser of a local update (from the experiment's federation/optimizer)."""
+
+    local_epochs: int
+    batch_size: int
+    optimizer: dict = field(default_factory=dict)
+
+
+@dataclass
+class ClientData:
+    """One client's training data in one round, as the engine hands it to the client role."""
+
+    cid: int
+    num_samples: int
+    batches: Callable[[], Iterator[Batch]]  # a fresh, seeded pass over the client's data (one epoch) per call
+    generator: torch.Generator              # for any other randomness of this client in this round
+
+
+def autocast_for(x: Tensor) -> torch.autocast:
+    """bf16 autocast on CUDA (the frozen backbone dominates the cost), a no-op on CPU (keeps CPU runs bit-exact)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda)
+
+
+def make_optimizer(params: list[nn.Parameter], cfg: dict) -> torch.optim.Optimizer:
+    """The experiment's optimiser over ``params``."""
+    name = cfg.get("name", "sgd")
+    lr = cfg.get("lr", 0.01)
+    wd = cfg.get("weight_decay", 0.0)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.get("momentum", 0.0), weight_decay=wd)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=wd)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
+    raise ValueError(f"optimizer.name must be sgd|adam|adamw, got {name!r}")
+
+
+def run_epochs(params: list[nn.Parameter], data: ClientData, settings: TrainSettings, epochs: int,
+               loss_fn: Callable[[Batch], Tensor], optimizer_state: dict | None = None,
+               ) -> tuple[dict[str, float], dict[str, Any]]:
+    """Minibatch training of ``params``; returns stats (mean loss) and the optimiser's final state.
+
+    A fresh optimiser unless ``optimizer_state`` is given (a client that keeps its optimiser across rounds).
+    """
+    opt = make_optimizer(params, settings.optimizer)
+    if optimizer_state:
+        opt.load_state_dict(optimizer_state)
+    total, count = None, 0  # the loss sum stays on the device: no GPU sync per step
+    for _ in range(epochs):
+        for batch in data.batches():
+            opt.zero_grad(set_to_none=True)
+            with autocast_for(batch.x):
+                loss = loss_fn(batch)
+            loss.backward()
+            opt.step()
+            step = loss.detach().double() * len(batch.y)
+            total = step if total is None else total + step
+            count += len(batch.y)
+    return {"loss": float(total) / count if count else float("nan")}, opt.state_dict()
+
+
+@contextlib.contextmanager
+def only_training(model: nn.Module, keys: list[str]) -> Iterator[list[nn.Parameter]]:
+    """Within the block only the named parameters require grad, so no gradient is even computed for the others;
+    yields them in ``keys`` order and restores every flag afterwards."""
+    named = dict(model.named_parameters())
+    before = {n: p.requires_grad for n, p in named.items()}
+    try:
+        for n, p in named.items():
+            p.requires_grad_(n in keys and before[n])
+        yield [named[k] for k in keys]
+    finally:
+        for n, p in named.items():
+            p.requires_grad_(before[n])
