@@ -83,30 +83,12 @@ def _accuracy(model: nn.Module, head: nn.Module, x: Tensor, y: Tensor, info: dic
     return correct / max(1, len(y))
 
 
-def pretrain_vit(
-    bundle: DatasetBundle,
-    arch: str = "vit_mini",
-    epochs: int = 30,
-    batch_size: int = 128,
-    lr: float = 1e-3,
-    weight_decay: float = 0.05,
-    seed: int = 0,
-    out_path: str | Path | None = None,
-    threads: int | None = None,
-    progress: bool = True,
-    device: str | torch.device = "cpu",
-    schedule: str = "cosine",
-    max_shift: int | None = None,
-    label_smoothing: float = 0.1,
-) -> dict:
+def pretrain_vit(bundle: DatasetBundle, arch: str = "vit_mini", **kwargs) -> dict:
     """Train `arch` + a temporary linear head on bundle.pretrain; save the backbone state dict (no head) to out_path.
 
-    The historical name: any ViT or ResNet arch of the registry works (see pretrain_backbone).
+    The historical name of ``pretrain_backbone`` (any ViT or ResNet arch of the registry works), same keywords.
     """
-    return pretrain_backbone(bundle, arch, None, epochs=epochs, batch_size=batch_size, lr=lr,
-                             weight_decay=weight_decay, seed=seed, out_path=out_path, threads=threads,
-                             progress=progress, device=device, schedule=schedule, max_shift=max_shift,
-                             label_smoothing=label_smoothing)
+    return pretrain_backbone(bundle, arch, None, **kwargs)
 
 
 def pretrain_backbone(

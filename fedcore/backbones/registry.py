@@ -119,20 +119,20 @@ ARCH_SPECS: dict[str, ArchSpec] = {
 _DIGITS = "pretrained by the pipeline on the digits bundle's held-out pretrain split (rule pretrain_backbone)"
 _DIGITS_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS)
 
+_TIMM_VIT_TAGS = {  # the timm weight tags whose input contract we know (224 px, mean = std = 0.5)
+    "vit_small_patch16_224": ("augreg_in21k", "augreg_in21k_ft_in1k"),
+    "vit_base_patch16_224": ("orig_in21k", "augreg_in21k", "augreg_in21k_ft_in1k"),
+    "vit_large_patch16_224": ("orig_in21k", "augreg_in21k", "augreg_in21k_ft_in1k"),
+}
+
 PRETRAINED_CFGS: dict[str, PretrainedCfg] = {
     **{f"{a}.digits": _DIGITS_CFG for a in ("vit_mini_s", "vit_mini", "vit_mini_l", "resnet_mini_18",
                                              "resnet_mini_34", "resnet_mini_50")},
-    "vit_small_patch16_224.augreg_in21k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
-    "vit_small_patch16_224.augreg_in21k_ft_in1k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
-    "vit_base_patch16_224.orig_in21k": PretrainedCfg(224, **IN21K_NORM, source="timm (Google's original in21k)"),
-    "vit_base_patch16_224.augreg_in21k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
-    "vit_base_patch16_224.augreg_in21k_ft_in1k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
-    "vit_large_patch16_224.orig_in21k": PretrainedCfg(224, **IN21K_NORM, source="timm (Google's original in21k)"),
-    "vit_large_patch16_224.augreg_in21k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
-    "vit_large_patch16_224.augreg_in21k_ft_in1k": PretrainedCfg(224, **IN21K_NORM, source="timm"),
-    "resnet18.tv_in1k": PretrainedCfg(224, **IMAGENET_NORM, source="torchvision IMAGENET1K_V1"),
-    "resnet34.tv_in1k": PretrainedCfg(224, **IMAGENET_NORM, source="torchvision IMAGENET1K_V1"),
-    "resnet50.tv_in1k": PretrainedCfg(224, **IMAGENET_NORM, source="torchvision IMAGENET1K_V1"),
+    **{f"{arch}.{tag}": PretrainedCfg(224, **IN21K_NORM,
+                                      source="timm (Google's original in21k)" if tag == "orig_in21k" else "timm")
+       for arch, tags in _TIMM_VIT_TAGS.items() for tag in tags},
+    **{f"resnet{d}.tv_in1k": PretrainedCfg(224, **IMAGENET_NORM, source="torchvision IMAGENET1K_V1")
+       for d in (18, 34, 50)},
     "clip_vit_b16.openai": PretrainedCfg(224, **CLIP_NORM, source="open_clip ViT-B-16 openai (safetensors copy)"),
 }
 
