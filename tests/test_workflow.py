@@ -48,16 +48,21 @@ def _micro_scale(doc: dict) -> None:
         exp.pop("methods", None)
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    """A finished micro run: every default target built once, on 2 methods x 3 experiments, 2 rounds."""
-    work = tmp_path_factory.mktemp("wf")
+def micro_copy(work: Path) -> Path:
+    """The workflow and fedcore copied into ``work`` with the micro config (nothing run yet)."""
     for item in ("Snakefile", "rules", "workflow", "config", "profiles", "fedcore"):
         src = ROOT / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
     _edit_yaml(work / "config" / "experiments" / "sgpt.yaml", _micro)
     _edit_yaml(work / "config" / "scales" / "mini.yaml", _micro_scale)
     _edit_yaml(work / "config" / "backbones.yaml", lambda d: d["vit_mini"]["pretrain"].update(epochs=1))
+    return work
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A finished micro run: every default target built once, on 2 methods x 3 experiments, 2 rounds."""
+    work = micro_copy(tmp_path_factory.mktemp("wf"))
     run = _snakemake(work, timeout=420)
     assert run.returncode == 0, run.stderr[-4000:]
     return work
@@ -145,23 +150,3 @@ def test_adding_a_seed_runs_only_the_new_seed(workspace):
     assert trains and {s for _, _, s in trains} == {"1"} and len(trains) == 5 * len(MICRO_METHODS) + 1
     assert {w["seed"] for r, w in jobs if r == "partition"} == {"1"}
     assert not [r for r, _ in jobs if r in ("pretrain_backbone", "build_dataset")]
-
-
-def test_paper_scale_dag_builds_without_data(workspace):
-    jobs = _planned_jobs(workspace, "--config", "scale=paper")
-    assert len(_train_jobs(jobs)) == 5 * len(MICRO_METHODS) + 1
-    rules = {r for r, _ in jobs}
-    assert {"fetch_dataset", "build_dataset", "backbone_weights"} <= rules and "pretrain_backbone" not in rules
-
-
-def test_slurm_profile_gives_each_training_job_one_gpu(workspace):
-    out = _snakemake(workspace, "-n", "--config", "scale=paper", "--workflow-profile", "profiles/slurm")
-    assert out.returncode == 0, out.stderr[-3000:]
-    blocks = [b for b in out.stdout.split("\n\n") if "rule train:" in b]
-    assert blocks and all("gpu=1" in b and "runtime=" in b and "mem_mb=" in b for b in blocks)
-
-
-def test_bad_config_fails_before_any_job(workspace):
-    out = _snakemake(workspace, "-n", "--config", "scale=huge")
-    assert out.returncode != 0
-    assert "at scale: 'huge' is not one of ['mini', 'paper']" in out.stdout + out.stderr

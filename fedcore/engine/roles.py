@@ -122,7 +122,7 @@ class Role:
 
 
 class Client(Role):
-    """Client update, FedAvg default: load the downlink, train every state tensor with CE, upload them all."""
+    """Client update, FedAvg default: load the downlink, train every parameter with CE, upload the whole state."""
 
     #: the engine may train a round's clients together: the update is exactly ``train``'s default (epochs of
     #: ``loss``, a fresh optimiser, no randomness inside ``loss``)

@@ -1,0 +1,35 @@
+"""Dry runs of the micro workflow that need no finished run: paper scale, the SLURM profile, a bad config.
+
+Kept apart from test_workflow.py so a second pytest worker can take them while the micro run builds.
+"""
+from __future__ import annotations
+
+import pytest
+
+from test_workflow import MICRO_METHODS, _planned_jobs, _snakemake, _train_jobs, micro_copy
+
+
+@pytest.fixture(scope="module")
+def micro_dir(tmp_path_factory):
+    """The micro workflow, copied and configured but not run."""
+    return micro_copy(tmp_path_factory.mktemp("wf_dag"))
+
+
+def test_paper_scale_dag_builds_without_data(micro_dir):
+    jobs = _planned_jobs(micro_dir, "--config", "scale=paper")
+    assert len(_train_jobs(jobs)) == 5 * len(MICRO_METHODS) + 1
+    rules = {r for r, _ in jobs}
+    assert {"fetch_dataset", "build_dataset", "backbone_weights"} <= rules and "pretrain_backbone" not in rules
+
+
+def test_slurm_profile_gives_each_training_job_one_gpu(micro_dir):
+    out = _snakemake(micro_dir, "-n", "--config", "scale=paper", "--workflow-profile", "profiles/slurm")
+    assert out.returncode == 0, out.stderr[-3000:]
+    blocks = [b for b in out.stdout.split("\n\n") if "rule train:" in b]
+    assert blocks and all("gpu=1" in b and "runtime=" in b and "mem_mb=" in b for b in blocks)
+
+
+def test_bad_config_fails_before_any_job(micro_dir):
+    out = _snakemake(micro_dir, "-n", "--config", "scale=huge")
+    assert out.returncode != 0
+    assert "at scale: 'huge' is not one of ['mini', 'paper']" in out.stdout + out.stderr
