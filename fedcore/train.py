@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedcore.artifacts import load_artifact
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.backbones.vit import backbone_info
 from fedcore.data.arrays import load_bundle
-from fedcore.artifacts import load_artifact
 from fedcore.engine.data import DeviceSplit, InputPipeline, cache_features
 from fedcore.engine.evaluate import EvalSets
 from fedcore.engine.loop import RunResult, RunSpec, run_federated
