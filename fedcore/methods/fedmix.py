@@ -1,7 +1,6 @@
 """FedMix (Yoon et al., ICLR 2021): mean-augmented FL with the approximated global-Mixup loss, on VPT + head."""
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
