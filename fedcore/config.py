@@ -220,8 +220,9 @@ def _arch_depth(arch: str) -> int:
     return int(arch_info(arch)["depth"])
 
 
-def _check_blocks(name: str, exp: dict, resolved: "Resolved", where: str) -> None:
-    """Every block index a method's params name must exist in each of the run's backbones."""
+def _check_method_params(name: str, exp: dict, resolved: "Resolved", where: str) -> None:
+    """Each run's method params pass the method's own checks, and every block index they name exists in each
+    of the run's backbones."""
     from fedcore.methods import method_class
 
     depths = {b: _arch_depth(resolved.backbones[b]["arch"]) for b in run_backbones(exp)}
@@ -229,6 +230,10 @@ def _check_blocks(name: str, exp: dict, resolved: "Resolved", where: str) -> Non
     for m in exp["methods"]:
         cls = method_class(resolved.base_method(m))
         params = {**cls.defaults, **resolved.method_params(name, m)}
+        try:
+            cls.check_params(params)  # the method's own constraints, here rather than inside a job
+        except ValueError as e:
+            raise ConfigError(f"config error in {where}: method {m!r}: {e}") from e
         for key in cls.block_params:
             value = params[key]
             blocks = value if isinstance(value, (list, tuple)) else [value]
@@ -296,7 +301,7 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
                 if unknown:
                     raise ConfigError(f"config error in {where}: method {m!r} has unknown param(s) {unknown}; "
                                       f"{resolved.base_method(m)} accepts {sorted(allowed)}")
-            _check_blocks(name, out, resolved, where)
+            _check_method_params(name, out, resolved, where)
         _load_report(root, paper, scale, scale_file, schema, resolved)
     for name in scale.get("experiments", {}):
         _check_name(name, resolved.experiments, str(scale_file), "experiments")

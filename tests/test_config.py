@@ -190,3 +190,15 @@ def test_client_backbones_resolve_per_client_and_are_checked(tmp_path):
     exp_file.write_text(yaml.safe_dump(doc))
     with pytest.raises(ConfigError, match=r"client_backbones\[1\]: 'vit_huge' is not one of"):
         load_config(DEFAULT, root)
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("groups", 0, r"method 'sgpt': method_params.sgpt.groups must be an integer >= 1, got 0"),
+    ("key_momentum", 1.5, r"method 'sgpt': method_params.sgpt.key_momentum must lie in \[0, 1\], got 1.5"),
+])
+def test_a_methods_own_param_checks_run_when_the_config_loads(tmp_path, key, value, needle):
+    """Values the schema accepts but the method cannot run with are refused before any job (not in round 1)."""
+    root = _copy_config(tmp_path)
+    _edit_mini(root, lambda d: d["experiments"]["sgpt_five"]["method_params"]["sgpt"].update({key: value}))
+    with pytest.raises(ConfigError, match=rf"sgpt_five.*{needle}"):
+        load_config(DEFAULT, root)

@@ -261,7 +261,7 @@ class Method:
         self.num_classes = num_classes
         self.backbones = list(backbones) if isinstance(backbones, (list, tuple)) else [backbones]
         self.client_backbones = list(client_backbones) if client_backbones is not None else None
-        self.check_params()
+        self.check_params(self.params)
         self.client = self.client_role(self)
         self.strategy = self.strategy_role(self)
         self.evaluator = self.evaluator_role(self)
@@ -273,8 +273,10 @@ class Method:
         self._initial = [module_state(m, k) for m, k in zip(self.models, self._keys, strict=True)]
 
     # ---- the recipe ------------------------------------------------------------------------------
-    def check_params(self) -> None:
-        """Reject invalid params before anything is built (default: nothing to check)."""
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> None:
+        """Raise ValueError naming the key for invalid params (all keys present: defaults merged). Called when
+        the config is loaded, for every run, and again when the method is built (default: nothing to check)."""
 
     def build(self, backbone: nn.Module) -> nn.Module:
         """The model holding every trainable tensor around ``backbone`` (shared, not copied)."""

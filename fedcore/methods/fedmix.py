@@ -132,8 +132,9 @@ class FedMix(PromptMethod):
     client_role = FedMixClient
     strategy_role = FedMixServer
 
-    def check_params(self) -> None:
+    @classmethod
+    def check_params(cls, params: dict) -> None:
         """lam must lie in [0, 1)."""
-        lam = float(self.params["lam"])
+        lam = float(params["lam"])
         if not 0.0 <= lam < 1.0:
             raise ValueError(f"method_params.fedmix.lam must lie in [0, 1), got {lam}")

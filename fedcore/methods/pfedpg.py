@@ -147,8 +147,9 @@ class PFedPG(PromptMethod):
     strategy_role = PFedPGServer
     evaluator_role = PFedPGEvaluator
 
-    def check_params(self) -> None:
+    @classmethod
+    def check_params(cls, params: dict) -> None:
         """``eval_prompts`` must be adapted|generated."""
-        if self.params["eval_prompts"] not in ("adapted", "generated"):
+        if params["eval_prompts"] not in ("adapted", "generated"):
             raise ValueError(f"method_params.pfedpg.eval_prompts must be adapted|generated, "
-                             f"got {self.params['eval_prompts']!r}")
+                             f"got {params['eval_prompts']!r}")

@@ -265,9 +265,12 @@ class SGPT(Method):
         """Each sample's Select query: the frozen final-norm CLS after ``select_block`` (rule ``features``)."""
         return {QUERY: f"cls_block{int({**cls.defaults, **params}['select_block'])}"}
 
-    def check_params(self) -> None:
-        """Schedule, key aggregation, momentum ranges, and at least one prompt set."""
-        p = self.params
+    @classmethod
+    def check_params(cls, params: dict) -> None:
+        """Schedule, key aggregation, momentum ranges, at least one group, at least one prompt set."""
+        p = params
+        if not isinstance(p["groups"], int) or p["groups"] < 1:
+            raise ValueError(f"method_params.sgpt.groups must be an integer >= 1, got {p['groups']!r}")
         if p["schedule"] not in SCHEDULES:
             raise ValueError(f"method_params.sgpt.schedule must be one of {SCHEDULES}, got {p['schedule']!r}")
         if p["key_aggregation"] not in ("counts", "samples"):
