@@ -68,7 +68,7 @@ def compute_select_queries(dataset_path: str | Path, arch: str, weights: str | P
 def read_select_queries(path: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
     """(train, test, meta) of a select-queries file, with a clear error for a wrong or missing file."""
     if path is None or not Path(path).exists():
-        raise FileNotFoundError(f"select-queries file {path} does not exist (built by the select_features rule)")
+        raise FileNotFoundError(f"select-queries file {path} does not exist (built by the features rule as artifact cls_block<b>)")
     with np.load(path) as z:
         meta = json.loads(str(z["meta"]))
         if meta.get("format") != FORMAT:

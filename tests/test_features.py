@@ -50,7 +50,7 @@ def test_select_queries_file_round_trip_and_checks(tmp_path):
     assert isinstance(batch, Batch) and torch.equal(batch.extras["query"], tr[:5])   # batches carry their queries
     with pytest.raises(ValueError, match="31/10"):
         load_select_queries(tmp_path / "q.npz", 31, 10, 2, torch.device("cpu"))
-    with pytest.raises(FileNotFoundError, match="select_features"):
+    with pytest.raises(FileNotFoundError, match="features rule"):
         read_select_queries(tmp_path / "missing.npz")
     with pytest.raises(ValueError, match="outside vit_mini's blocks"):
         compute_select_queries(tmp_path / "data.npz", "vit_mini", tmp_path / "vit.pt", 4, tmp_path / "q4.npz",

@@ -97,7 +97,7 @@ def test_write_congruence_reads_cached_queries(tmp_path: Path, tiny_run_files):
     rng = np.random.default_rng(0)
     train = rng.normal(size=(n_train, 4)).astype(np.float32)
     queries = tmp_path / "select_block3.npz"
-    with open(queries, "wb") as f:  # the select_features file format
+    with open(queries, "wb") as f:  # the features rule's cls_block file format
         np.savez(f, train=train, test=train[:5], meta='{"format": "fedcore-select-queries-v1", "block": 3}')
     final = _final(tmp_path / "final.pt", torch.eye(4)[:3])
     out = tmp_path / "probe" / "congruence.csv"

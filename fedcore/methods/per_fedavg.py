@@ -102,7 +102,7 @@ class PerFedAvg(PromptMethod):
     the client takes a temporary inner step w' = w - alpha * grad f(w; D) (plain SGD), evaluates the gradient
     at the adapted point, grad f(w'; D'), and applies it to the un-adapted w with the experiment's optimiser
     at learning rate beta (Per-FedAvg FO: w <- w - beta * grad f(w - alpha grad f(w; D); D')). The server
-    averages prompts and head by sample count (FedAvg). Evaluation (``eval_state``): every client adapts the
+    averages prompts and head by sample count (FedAvg). Evaluation (``PerFedAvgEvaluator.load``): every client adapts the
     current global model with ``eval_steps`` (default 1) plain SGD steps of size alpha on batches of its own
     training data, then is scored with that personalised model (the paper's one-step personalisation).
 

@@ -6,7 +6,7 @@ Model (§1.3). A frozen ViT; shared prompts P_S inserted right after CLS at the 
 a linear head on the CLS token (Block I) or on mean(CLS, group-prompt tokens) when groups are active.
 
 Select (§1.4). The query is the frozen, un-prompted ViT's final-norm CLS after ``select_block``, cached
-per dataset by the ``select_features`` rule; q = L2(ReLU(h)) [code]. Inference: argmax cos(q, k_g).
+per dataset by the ``features`` rule (artifact ``cls_block<b>``); q = L2(ReLU(h)) [code]. Inference: argmax cos(q, k_g).
 Training: argmin (1 - cos) * (q_g + 5e-4), q_g the global accumulated selection frequency (Eq. 6;
 plain argmin while no counts exist); with ``batch_vote`` (feature shift, [code]) the whole batch takes
 its most frequent group. The key loss -mean cos(q, k_g) reaches only the keys.
