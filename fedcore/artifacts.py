@@ -3,41 +3,66 @@
 An artifact key names what is computed, e.g. ``cls_block3``: the frozen, un-prompted backbone's final-norm
 CLS token after block 3 (SGPT's Select query). Its file is ``features/<backbone>/<dataset>/<key>.npz``;
 training runs load it into the splits' ``extras`` under the name the method chose, so batches carry it.
+A new kind is one entry of ``KINDS``: its key pattern, what it is, how to build it and how to load it.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-#: key pattern -> what it is (for messages); the builder is chosen by the pattern in ``build_artifact``
-KINDS = {r"cls_block(\d+)": "final-norm CLS token after block N of the frozen backbone"}
+
+def _build_cls_block(args: tuple[int, ...], dataset_path, arch, weights, out_path, device, threads) -> None:
+    """The frozen CLS after block args[0] for both splits (fedcore.features)."""
+    from fedcore.features import compute_select_queries
+
+    compute_select_queries(dataset_path, arch, weights, args[0], out_path, device=device, threads=threads)
 
 
-def parse(key: str) -> tuple[str, tuple[int, ...]]:
-    """(pattern, integer arguments) of an artifact key, or a ValueError listing the known kinds."""
-    for pattern in KINDS:
+def _load_cls_block(args: tuple[int, ...], path, n_train: int, n_test: int, device) -> tuple[torch.Tensor, ...]:
+    """Train and test rows, checked against the dataset's sizes and the block."""
+    from fedcore.features import load_select_queries
+
+    return load_select_queries(path, n_train, n_test, args[0], device)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of artifact: what it is, and how it is built and loaded (integer arguments from its key)."""
+
+    description: str
+    build: Callable[..., None]
+    load: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+KINDS: dict[str, Kind] = {
+    r"cls_block(\d+)": Kind("final-norm CLS token after block N of the frozen backbone", _build_cls_block,
+                            _load_cls_block),
+}
+
+
+def parse(key: str) -> tuple[Kind, tuple[int, ...]]:
+    """(kind, integer arguments) of an artifact key, or a ValueError listing the known kinds."""
+    for pattern, kind in KINDS.items():
         m = re.fullmatch(pattern, key)
         if m:
-            return pattern, tuple(int(g) for g in m.groups())
-    raise ValueError(f"unknown artifact {key!r}; known kinds: {sorted(KINDS)}")
+            return kind, tuple(int(g) for g in m.groups())
+    raise ValueError(f"unknown artifact {key!r}; known kinds: "
+                     f"{ {p: k.description for p, k in KINDS.items()} }")
 
 
 def build_artifact(key: str, dataset_path: str | Path, arch: str, weights: str | Path | None,
                    out_path: str | Path, device: str = "auto", threads: int | None = None) -> None:
     """Compute artifact ``key`` for both splits of a dataset and write it atomically."""
-    pattern, args = parse(key)
-    if pattern == r"cls_block(\d+)":
-        from fedcore.features import compute_select_queries
-
-        compute_select_queries(dataset_path, arch, weights, args[0], out_path, device=device, threads=threads)
+    kind, args = parse(key)
+    kind.build(args, dataset_path, arch, weights, out_path, device, threads)
 
 
 def load_artifact(key: str, path: str | Path, n_train: int, n_test: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Train and test rows of artifact ``key`` on ``device``, checked against the dataset's sizes."""
-    pattern, args = parse(key)
-    from fedcore.features import load_select_queries
-
-    return load_select_queries(path, n_train, n_test, args[0], device)
+    kind, args = parse(key)
+    return kind.load(args, path, n_train, n_test, device)

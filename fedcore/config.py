@@ -210,13 +210,8 @@ def run_backbones(exp: dict) -> list[str]:
 
 def _arch_depth(arch: str) -> int:
     """Number of blocks of a backbone architecture, from the registry's data (nothing is built)."""
-    try:
-        from fedcore.backbones.registry import arch_info
-    except ImportError:  # before the registry existed: the ViT table
-        from fedcore.backbones.vit import ARCHS
+    from fedcore.backbones.registry import arch_info
 
-        cfg = ARCHS[arch]
-        return int(cfg["kwargs"]["depth"]) if "kwargs" in cfg else {"vit_large_patch16_224": 24}.get(arch, 12)
     return int(arch_info(arch)["depth"])
 
 

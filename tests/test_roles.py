@@ -263,7 +263,9 @@ def test_a_frozen_resnet_trains_pixel_padding_prompts_and_head(tiny_run_files, t
     torch.manual_seed(2)
     torch.save(build_backbone("resnet_mini_18").state_dict(), tmp_path / "r18.pt")
     monkeypatch.setattr(fedcore.train, "method_class", lambda name: PadPromptFedAvg)
-    before = torch.load(tmp_path / "r18.pt")
+    built = []  # the run's frozen ResNet, to check afterwards that training left it as loaded
+    monkeypatch.setattr(fedcore.train, "build_backbone", lambda *a, **k: built.append(build_backbone(*a, **k))
+                        or built[-1])
     res = train_run(run_params(rounds=2, participation=1.0), identity("pad_prompt"), tiny_run_files["dataset"],
                     tiny_run_files["partition"], "resnet_mini_18", tmp_path / "r18.pt", tmp_path / "m.parquet",
                     tmp_path / "f.pt", progress=False)
@@ -272,4 +274,7 @@ def test_a_frozen_resnet_trains_pixel_padding_prompts_and_head(tiny_run_files, t
     assert res.global_state["pad.prompt_lr"].abs().sum() > 0
     m = res.metrics
     assert m[(m.metric == "acc") & (m.client == -1)]["value"].between(0, 1).all()
-    assert all(torch.equal(v, torch.load(tmp_path / "r18.pt")[k]) for k, v in before.items())  # file untouched
+    loaded = torch.load(tmp_path / "r18.pt")
+    after = built[0].state_dict()  # weights and BatchNorm statistics: unchanged by training and evaluation
+    assert set(after) == set(loaded) and all(torch.equal(after[k].cpu(), v) for k, v in loaded.items())
+

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fedcore.backbones.prompted import PromptedViT, init_prompts
-from fedcore.engine.roles import Client, Evaluator, Method, Strategy
+from fedcore.engine.roles import Client, Evaluator, Method, Payload, RoundInfo, Strategy
 
 __all__ = ["PromptClassifier", "PromptMethod", "BatchableClient", "EveryClient", "PersonalEvaluator"]
 
@@ -66,7 +66,7 @@ class BatchableClient(Client):
 class EveryClient(Strategy):
     """No server: every client trains every round and nothing is aggregated (Local)."""
 
-    def select(self, info, state) -> list[int]:
+    def select(self, info: RoundInfo, state: Payload) -> list[int]:
         """All clients, whatever the participation."""
         return list(range(info.num_clients))
 
