@@ -1,4 +1,7 @@
-"""A frozen timm ViT with prompt tokens inserted after the prefix (CLS) tokens at chosen blocks (VPT / SGPT)."""
+"""A frozen ViT with prompt tokens inserted after the prefix (CLS) tokens at chosen blocks (VPT / SGPT).
+
+The ViT is fedcore's PlainViT (mini scale) or timm's VisionTransformer (paper scale): same layout and names.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +12,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
-from timm.models.vision_transformer import VisionTransformer
 
 MODES = ("insert", "replace")
 
@@ -30,9 +32,9 @@ def init_prompts(n: int, dim: int, patch_size: int, generator: torch.Generator |
 
 
 class PromptedViT(nn.Module):
-    """Wrap a timm VisionTransformer (frozen, always in eval mode) and run its blocks with prompt tokens."""
+    """Wrap a ViT with timm's layout (frozen, always in eval mode) and run its blocks with prompt tokens."""
 
-    def __init__(self, vit: VisionTransformer) -> None:
+    def __init__(self, vit: nn.Module) -> None:
         super().__init__()
         self.vit = vit
         vit.requires_grad_(False)
@@ -73,7 +75,7 @@ class PromptedViT(nn.Module):
         """Patch tokens with CLS and position embedding (B, 1+M, D): the input to block 0, no prompts.
 
         timm has no public name for this step (``forward_features`` runs it inline); ``_pos_embed`` is the
-        only private timm piece fedcore uses, and this is the only place that calls it.
+        only private timm piece fedcore uses (PlainViT keeps the name), and this is the only place that calls it.
         """
         v = self.vit
         return v.norm_pre(v.patch_drop(v._pos_embed(v.patch_embed(x))))

@@ -67,7 +67,7 @@ class WeightFileError(ValueError, RuntimeError):
 def _vit_mini(dim: int, depth: int, heads: int) -> ArchSpec:
     """A tiny 16-px ViT (4-px patches: 16 tokens + CLS), head dim 16 like the ViT-S/B/L family's 64 scaled."""
     kwargs = dict(img_size=16, patch_size=4, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=4.0)
-    return ArchSpec("vit", "fedcore", "VisionTransformer", kwargs, depth=depth, dim=dim, patch_size=4,
+    return ArchSpec("vit", "fedcore", "PlainViT", kwargs, depth=depth, dim=dim, patch_size=4,
                     default_tag="digits")
 
 
@@ -282,10 +282,10 @@ def _build_torchvision(arch: str, spec: ArchSpec, path: Path | None, cfg: Pretra
 
 
 def _fedcore_vit(**kwargs: Any) -> nn.Module:
-    """timm's VisionTransformer class built directly from our kwargs, headless."""
-    from timm.models.vision_transformer import VisionTransformer
+    """fedcore's timm-identical ViT (plain_vit.PlainViT) built from our kwargs, headless: no timm import."""
+    from fedcore.backbones.plain_vit import PlainViT
 
-    return VisionTransformer(**kwargs, num_classes=0)
+    return PlainViT(**kwargs, num_classes=0)
 
 
 def _fedcore_resnet(**kwargs: Any) -> nn.Module:
@@ -295,7 +295,7 @@ def _fedcore_resnet(**kwargs: Any) -> nn.Module:
     return MiniResNet(**kwargs)
 
 
-FEDCORE_BUILDERS: dict[str, Callable[..., nn.Module]] = {"VisionTransformer": _fedcore_vit,
+FEDCORE_BUILDERS: dict[str, Callable[..., nn.Module]] = {"PlainViT": _fedcore_vit,
                                                          "MiniResNet": _fedcore_resnet}
 
 
@@ -379,11 +379,10 @@ def model_family(model: nn.Module) -> str:
     arch = getattr(model, "fedcore_arch", None)
     if arch in ARCH_SPECS:
         return ARCH_SPECS[arch].family
-    from timm.models.vision_transformer import VisionTransformer
-
+    from fedcore.backbones.plain_vit import is_vit
     from fedcore.backbones.resnet import resnet_stages
 
-    if isinstance(model, VisionTransformer):
+    if is_vit(model):
         return "vit"
     if resnet_stages(model):
         return "resnet"

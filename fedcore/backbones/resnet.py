@@ -9,7 +9,68 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torchvision.models.resnet import BasicBlock, Bottleneck, conv1x1
+
+
+def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    """3x3 convolution, padding 1, no bias."""
+    return nn.Conv2d(cin, cout, kernel_size=3, stride=stride, padding=1, bias=False)
+
+
+def conv1x1(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    """1x1 convolution, no bias."""
+    return nn.Conv2d(cin, cout, kernel_size=1, stride=stride, bias=False)
+
+
+# torchvision's BasicBlock and Bottleneck, written out with the same module names and construction order (so
+# the same seed gives the same weights; tests/test_resnet.py checks it) because importing torchvision.models
+# costs a job ~1.7 s of CPU (it imports torchvision.ops and with it torch._dynamo).
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with a residual connection (ResNet-18/34)."""
+
+    expansion = 1
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = conv3x3(inplanes, planes, stride)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = conv3x3(planes, planes)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        """relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))."""
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        out += x if self.downsample is None else self.downsample(x)
+        return self.relu(out)
+
+
+class Bottleneck(nn.Module):
+    """1x1 reduce, 3x3 (strided), 1x1 expand by 4, with a residual connection (ResNet-50; torchvision V1.5)."""
+
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = conv1x1(inplanes, planes)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = conv3x3(planes, planes, stride)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = conv1x1(planes, planes * self.expansion)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The bottleneck path plus the shortcut, then ReLU."""
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += x if self.downsample is None else self.downsample(x)
+        return self.relu(out)
+
 
 BLOCKS: dict[str, type[nn.Module]] = {"basic": BasicBlock, "bottleneck": Bottleneck}
 
@@ -19,7 +80,7 @@ class MiniResNet(nn.Module):
 
     The stride-2 stem puts the four stages at 8, 4, 2 and 1 px for a 16-px input: the same grids a
     torchvision ResNet (7x7/2 stem + max-pool) has on the 32-px CIFAR images FedHPL feeds it. It is also 2-3x
-    cheaper on CPU than a stride-1 stem. The blocks are torchvision's own BasicBlock / Bottleneck, so the
+    cheaper on CPU than a stride-1 stem. The blocks are torchvision's BasicBlock / Bottleneck (written out below), so the
     Bottleneck net's feature dim is 4x the BasicBlock one's, as ResNet-50's 2048 is to ResNet-18's 512.
     """
 

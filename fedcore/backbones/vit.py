@@ -4,9 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator, MutableMapping
 
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from fedcore.backbones.plain_vit import is_vit
 from fedcore.backbones.registry import (
     ARCH_SPECS,
     IN21K_NORM,
@@ -42,7 +42,7 @@ class _VitArchs(MutableMapping):
     def __setitem__(self, arch: str, cfg: dict) -> None:
         if "kwargs" in cfg:
             kw = cfg["kwargs"]
-            spec = ArchSpec("vit", "fedcore", "VisionTransformer", kw, depth=kw["depth"], dim=kw["embed_dim"],
+            spec = ArchSpec("vit", "fedcore", "PlainViT", kw, depth=kw["depth"], dim=kw["embed_dim"],
                             patch_size=kw["patch_size"], default_tag="default")
         else:
             old = next((s for s in ARCH_SPECS.values() if s.source == "timm" and s.builder == cfg["timm"]), None)
@@ -67,7 +67,7 @@ class _VitArchs(MutableMapping):
 ARCHS: MutableMapping[str, dict] = _VitArchs()
 
 
-def build_vit(arch: str, weights: str | Path | None = None) -> VisionTransformer:
+def build_vit(arch: str, weights: str | Path | None = None) -> nn.Module:
     """Build a headless (num_classes=0) ViT for `arch`, loading `weights` from a local file; never downloads."""
     family = arch_spec(arch).family
     if family != "vit":
@@ -82,7 +82,7 @@ def backbone_info(model: nn.Module) -> dict:
     embed_dim (the pooled feature dim), depth (stages or blocks), img_size, mean, std.
     """
     pcfg = getattr(model, "pretrained_cfg", None) or {}
-    if isinstance(model, VisionTransformer):
+    if is_vit(model):
         img_size = model.patch_embed.img_size
         return dict(
             embed_dim=int(model.embed_dim),

@@ -5,7 +5,10 @@ such as BatchNorm running stats) is stacked on a leading client axis. At step t 
 still yields a batch is active; the active clients are grouped by the shapes of their batches (clients
 whose batch pytrees have identical structure, shapes and dtypes form a group, so a short last batch or a
 client with fewer batches simply lands in another group or drops out), and each group runs one
-``vmap(grad_and_value(loss))`` over ``functional_call`` of the shared module. Parameters of the module
+``vmap(loss)`` over ``functional_call`` of the shared module, then one ``autograd.grad`` of the summed
+losses: client c's loss depends only on its own rows, so row c of the gradient is its own gradient. (Not
+``vmap(grad_and_value(loss))``: torch.func's grad imports torch._dynamo, ~1.5 s of CPU a job, for the same
+numbers; tests/test_together.py compares the two.) Parameters of the module
 that are not in ``names`` are shared and frozen: they are passed once, unbatched (in_dims None). The
 optimiser (SGD with momentum/weight decay, Adam, AdamW) is re-implemented functionally with the same
 operations as torch.optim's single-tensor code (its CPU default) and applied only to the group's rows.
@@ -39,7 +42,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 Result = list[tuple[dict[str, Tensor], float]]
@@ -241,13 +244,15 @@ def train_together(model: nn.Module, names: list[str], trainable: list[str],
             loose = [_TENSOR if isinstance(lf, Tensor) else lf for lf in leaves0]
             stacked = [torch.stack([flat[c][0][i] for c in members]) for i, lf in enumerate(leaves0)
                        if isinstance(lf, Tensor)]
-            train = {n: _take(state[n], rows) for n in trainable}
+            train = {n: _take(state[n], rows).detach().requires_grad_() for n in trainable}
             other = {n: _take(state[n], rows) for n in fixed}
-            fn = grad_and_value(lambda tr, ot, fr, lv: client_loss(tr, ot, fr, lv, spec, loose), has_aux=True)
-            grads, (loss, new_bufs) = vmap(fn, in_dims=(0, 0, None, 0), randomness="error")(
-                train, other, shared, stacked)
+            fn = vmap(lambda tr, ot, fr, lv: client_loss(tr, ot, fr, lv, spec, loose), in_dims=(0, 0, None, 0),
+                      randomness="error")
+            with torch.enable_grad():
+                loss, new_bufs = fn(train, other, shared, stacked)
+                grads = dict(zip(train, torch.autograd.grad(loss.sum(), list(train.values()))))
             for n, v in new_bufs.items():
-                _put(state, n, rows, v)
+                _put(state, n, rows, v.detach())
             _update(hp, state, moments, grads, rows, step)
             lens = [batch_len(batches[c]) for c in members]
             for c, m in zip(members, lens):
