@@ -5,12 +5,16 @@ from one `np.random.default_rng(seed)` threaded through the helpers, so the same
 identical index arrays, and every method of an experiment trains on the same client data.
 
 Schemes (see SCHEMES for keys and defaults):
-  iid                   shuffled train pool, near-equal disjoint shards
-  dirichlet             disjoint per-class Dirichlet label skew (PFLlib / FedHPL "Non-IID")
+  iid                   shuffled train pool, near-equal disjoint shards (FedHPL "IID" with min_per_class_frac)
+  dirichlet             disjoint per-class Dirichlet label skew (PFLlib / FedHPL "Non-IID" and alpha sweep)
+  dirichlet_overlap     FedHPL "Dir": per-client class mix, clients sample independently (overlap)
+  class_subsets         FedHPL C.3: the baselines' own protocol, 80/20 per class and class subsets per client
   dirichlet_per_client  FedPFT: per-client class mix q ~ Dir(alpha), exact totals, overlap allowed
   classes_per_client    SGPT "noniid-labeluni" (sgpt.md 3.1), reproduced step by step
   pathological          FedPFT: n random classes per client, fixed samples per class
   domain                one or more IID clients per domain (Office, DomainNet, Five-dataset)
+
+The FedHPL algorithms live in fedcore.partition_fedhpl; this module keeps the table, validation and format.
 """
 from __future__ import annotations
 
@@ -36,10 +40,12 @@ TEST_MODES: dict[str, tuple[str, ...]] = {
     "classes_per_client": ("proportional", "full"),
     "pathological": ("proportional", "full"),
     "domain": ("domain", "full"),
+    "dirichlet_overlap": ("full", "proportional", "iid"),  # no "split": a shared sample would leak into a test set
+    "class_subsets": ("split",),  # the private 20 % test pool of the clients' own classes
 }
 
 SCHEMES: dict[str, dict[str, Any]] = {
-    "iid": {"clients": REQUIRED, "test": "proportional", "test_fraction": 0.25},
+    "iid": {"clients": REQUIRED, "min_per_class_frac": 0.0, "test": "proportional", "test_fraction": 0.25},
     "dirichlet": {
         "clients": REQUIRED,
         "alpha": REQUIRED,
@@ -71,7 +77,31 @@ SCHEMES: dict[str, dict[str, Any]] = {
         "equal_test_size": False,
         "test": "domain",
     },
+    "dirichlet_overlap": {
+        "clients": REQUIRED,
+        "alpha": REQUIRED,
+        "alpha_sum": None,  # with alpha: random, 'classes' (CIFAR-10) or 'clients' (CIFAR-100, SVHN)
+        "min_per_class_frac": 0.0,
+        "test": "full",
+    },
+    "class_subsets": {
+        "clients": REQUIRED,
+        "classes_per_client": REQUIRED,  # a list, one class count per client: [2, 4, 6, 8, 10]
+        "setting": REQUIRED,  # iid | dirichlet | dirichlet_overlap inside the clients' classes
+        "alpha": None,
+        "alpha_sum": None,
+        "min_per_class_frac": 0.0,
+        "test": "split",
+        "test_fraction": 0.2,
+    },
 }
+
+# Keys added to a scheme after its partitions were in use: left out of the validated spec while they hold
+# their default, so that the ids and files of the earlier specs stay byte-identical.
+_OMITTED_AT_DEFAULT: dict[str, dict[str, Any]] = {"iid": {"min_per_class_frac": 0.0}}
+
+SETTINGS = ("iid", "dirichlet", "dirichlet_overlap")  # class_subsets' settings inside the class subsets
+ALPHA_SUMS = ("classes", "clients")
 
 # Derived keys that validate_spec adds itself; accepted on input only with the derived value,
 # so validate_spec(validate_spec(s)) == validate_spec(s).
@@ -203,6 +233,18 @@ def _check_bool(key: str, v: Any) -> bool:
     return bool(v)
 
 
+def _check_choice(key: str, v: Any, allowed: tuple[str, ...]) -> str:
+    if v not in allowed:
+        raise ValueError(f"partition key {key!r} must be one of {list(allowed)}, got {v!r}")
+    return str(v)
+
+
+def _check_class_list(key: str, v: Any) -> list[int]:
+    if not isinstance(v, (list, tuple)) or not v or not all(_is_int(x) and x >= 1 for x in v):
+        raise ValueError(f"partition key {key!r} must be a non-empty list of integers >= 1 (one per client), got {v!r}")
+    return [int(x) for x in v]
+
+
 def _check_alpha(key: str, v: Any, allow_random: bool) -> float | str:
     if allow_random and v == "random":
         return "random"
@@ -212,11 +254,15 @@ def _check_alpha(key: str, v: Any, allow_random: bool) -> float | str:
     return float(v)
 
 
+_RANDOM_ALPHA = ("dirichlet", "dirichlet_overlap", "class_subsets")  # schemes that accept alpha: random
+
 # Per-key checks; each returns the normalised value (ints as int, numbers as float) so that
 # equivalent specs (alpha: 1 vs alpha: 1.0) get the same partition_id.
 _CHECKS: dict[str, Callable[[str, Any, str], Any]] = {
     "clients": lambda k, v, s: _check_int(k, v, 1),
-    "alpha": lambda k, v, s: _check_alpha(k, v, allow_random=(s == "dirichlet")),
+    "alpha": lambda k, v, s: _check_alpha(k, v, allow_random=(s in _RANDOM_ALPHA)),
+    "alpha_sum": lambda k, v, s: _check_choice(k, v, ALPHA_SUMS),
+    "setting": lambda k, v, s: _check_choice(k, v, SETTINGS),
     "min_size": lambda k, v, s: _check_int(k, v, 0),
     "max_tries": lambda k, v, s: _check_int(k, v, 1),
     "min_per_class_frac": lambda k, v, s: _check_float(k, v, 0.0, 1.0, hi_open=True),
@@ -224,7 +270,7 @@ _CHECKS: dict[str, Callable[[str, Any, str], Any]] = {
     "test_fraction": lambda k, v, s: _check_float(k, v, 0.0, 1.0, lo_open=True, hi_open=True),
     "train_per_client": lambda k, v, s: _check_int(k, v, 1),
     "test_per_client": lambda k, v, s: _check_int(k, v, 0),
-    "classes_per_client": lambda k, v, s: _check_int(k, v, 1),
+    "classes_per_client": lambda k, v, s: _check_class_list(k, v) if s == "class_subsets" else _check_int(k, v, 1),
     "train_per_class": lambda k, v, s: _check_int(k, v, 1),
     "test_per_class": lambda k, v, s: _check_int(k, v, 0),
     "clients_per_domain": lambda k, v, s: _check_int(k, v, 1),
@@ -261,7 +307,14 @@ def validate_spec(spec: dict) -> dict:
             out[key] = default
             continue
         value = spec[key]
+        if value is None and default is None:  # an optional key given as null (as validate_spec writes it)
+            out[key] = None
+            continue
         out[key] = _check_test_mode(scheme, value) if key == "test" else _CHECKS[key](key, value, scheme)
+    _check_combination(out)
+    for key, default in _OMITTED_AT_DEFAULT.get(scheme, {}).items():
+        if out[key] == default:
+            del out[key]
     out["test_from"] = "train" if out["test"] == "split" else "test"
     if "test_from" in spec and spec["test_from"] != out["test_from"]:
         raise ValueError(
@@ -269,6 +322,31 @@ def validate_spec(spec: dict) -> dict:
             f"got {spec['test_from']!r}"
         )
     return out
+
+
+def _check_combination(out: dict) -> None:
+    """Checks across keys of the FedHPL schemes: which alpha and alpha_sum a setting takes, one count per client."""
+    scheme = out["scheme"]
+    if scheme == "class_subsets":
+        if len(out["classes_per_client"]) != out["clients"]:
+            raise ValueError(f"partition key 'classes_per_client' must give one class count per client "
+                             f"(clients={out['clients']}), got {out['classes_per_client']}")
+        setting = out["setting"]
+        if setting == "iid" and (out["alpha"] is not None or out["alpha_sum"] is not None):
+            raise ValueError("partition keys 'alpha' and 'alpha_sum' do not apply to class_subsets with setting: iid")
+        if setting != "iid" and out["alpha"] is None:
+            raise ValueError(f"partition scheme 'class_subsets' with setting: {setting} needs key 'alpha' "
+                             f"(a number > 0 or \"random\")")
+        if setting == "dirichlet" and out["alpha_sum"] is not None:
+            raise ValueError("partition key 'alpha_sum' does not apply to setting: dirichlet "
+                             "(its random alpha always sums to 1 over the clients holding a class)")
+    if scheme == "dirichlet_overlap" or out.get("setting") == "dirichlet_overlap":
+        if out["alpha"] == "random" and out["alpha_sum"] is None:
+            raise ValueError("partition key 'alpha_sum' is needed with alpha: random in FedHPL's overlapping "
+                             "Dirichlet: 'classes' (sum over classes = 1, the paper's CIFAR-10) or 'clients' "
+                             "(sum over clients = 1, CIFAR-100 and SVHN)")
+        if out["alpha"] != "random" and out["alpha_sum"] is not None:
+            raise ValueError(f"partition key 'alpha_sum' only applies to alpha: random, got alpha={out['alpha']}")
 
 
 def partition_id(spec: dict) -> str:
@@ -557,7 +635,7 @@ def _split_from_train(train: list[np.ndarray], train_y: np.ndarray, frac: float,
 
 
 def _label_skew_test(spec: dict, train, train_y, test_y, rng):
-    """Apply the `test` rule of the iid / dirichlet schemes; returns (train, test)."""
+    """Apply the `test` rule of the iid / dirichlet / dirichlet_overlap schemes; returns (train, test)."""
     mode, k = spec["test"], len(train)
     if mode == "proportional":
         return train, _proportional_test(train, train_y, test_y, rng)
@@ -586,6 +664,8 @@ def make_partition(
     train_y, test_y = _check_labels("train_y", train_y), _check_labels("test_y", test_y)
     rng = np.random.default_rng(seed)
     scheme = spec["scheme"]
+    from fedcore import partition_fedhpl as fedhpl  # here, not at the top: it builds on this module's helpers
+
     if scheme == "domain":
         if train_domain is None or test_domain is None:
             raise ValueError("partition scheme 'domain' needs train_domain and test_domain arrays")
@@ -594,12 +674,18 @@ def make_partition(
         if len(train_domain) != len(train_y) or len(test_domain) != len(test_y):
             raise ValueError("domain arrays must have one entry per sample of their split")
         train, test = _domain(spec, train_domain, test_domain, rng)
-    elif scheme in ("iid", "dirichlet"):
-        if scheme == "iid":
+    elif scheme in ("iid", "dirichlet", "dirichlet_overlap"):
+        if scheme == "iid" and spec.get("min_per_class_frac", 0.0) > 0:
+            train = fedhpl.iid_with_minimum(spec, train_y, rng)
+        elif scheme == "iid":
             train = _iid_shards(len(train_y), spec["clients"], rng)
+        elif scheme == "dirichlet_overlap":
+            train = fedhpl.dirichlet_overlap(spec, train_y, rng)
         else:
             train = _dirichlet(spec, train_y, rng)
         train, test = _label_skew_test(spec, train, train_y, test_y, rng)
+    elif scheme == "class_subsets":
+        train, test = fedhpl.class_subsets(spec, train_y, rng)
     else:
         maker = {
             "classes_per_client": _classes_per_client,
