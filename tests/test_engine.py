@@ -230,3 +230,33 @@ def test_checkpoint_fingerprint_covers_method_params():
     b = RunSpec(**base, method_params={"method": "sgpt", "key_momentum": 0.1})
     assert a.fingerprint() != b.fingerprint()   # a resumed run must restart when its method params change
     assert a.fingerprint() == RunSpec(**base, method_params={"key_momentum": 0.5, "method": "sgpt"}).fingerprint()
+
+
+@pytest.mark.parametrize("method", ["fedvpt", "local"])
+def test_per_class_accuracy_rows_add_up_to_the_global_accuracy(tiny_run_files, tmp_path, method):
+    """``evaluation.per_class`` adds acc_class<k> on the global test set: per client for personalised models
+    (client -1: their mean), for client -1 only with a global model; off, there are none."""
+    from fedcore.data.arrays import load_bundle
+
+    def run(out, **evaluation):
+        out.mkdir()
+        params = {**run_params(rounds=1), "evaluation": {"global_test": "official_test", **evaluation}}
+        return train_run(params, identity(method), tiny_run_files["dataset"], tiny_run_files["partition"],
+                         "vit_mini", tiny_run_files["weights"], out / "m.parquet", out / "f.pt", progress=False).metrics
+
+    m = run(tmp_path / "on", per_class=True)
+    counts = pd.Series(load_bundle(tiny_run_files["dataset"]).test.y).value_counts().sort_index()
+    rows = m[m.metric.str.startswith("acc_class")]
+    clients = sorted(rows.client.unique())
+    assert clients == ([-1, 0, 1, 2, 3] if method == "local" else [-1])
+    for c in clients:
+        acc = rows[rows.client == c].set_index("metric")["value"]
+        acc = acc[[f"acc_class{k}" for k in counts.index]].to_numpy()
+        overall = m[(m.client == c) & (m.split == "global") & (m.metric == "acc")]["value"].item()
+        assert abs((acc * counts.to_numpy()).sum() / counts.sum() - overall) < 1e-6   # classes weighted by size
+    if method == "local":
+        mean = rows[rows.client >= 0].groupby("metric")["value"].mean()
+        assert (abs(rows[rows.client == -1].set_index("metric")["value"] - mean) < 1e-12).all()
+    plain = run(tmp_path / "off")
+    assert not plain.metric.str.startswith("acc_class").any()
+    pd.testing.assert_frame_equal(plain, m[~m.metric.str.startswith("acc_class")].reset_index(drop=True))

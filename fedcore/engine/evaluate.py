@@ -1,6 +1,12 @@
-"""Evaluation every round: global, mean-local and worst-local accuracy, for global or personalised models."""
+"""Evaluation every round: global, mean-local and worst-local accuracy, for global or personalised models.
+
+With ``per_class`` (the experiment's ``evaluation.per_class``) it also gives the accuracy on each class's
+images of the global test set, ``acc_class<k>``: per client for personalised models, and for client -1 the
+global model's (or, personalised, the mean over the clients of theirs; a class absent from the set is NaN).
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,25 +54,42 @@ def _client_correct(pred_pooled: torch.Tensor, sets: EvalSets, client: int) -> t
     return int((pred_pooled[pos] == labels).sum()), len(pos)
 
 
-def _global_acc(method, model, sets: EvalSets, pred_pooled: torch.Tensor, pipeline: InputPipeline,
-                batch_size: int) -> float:
-    """Accuracy of the loaded model on the global test set."""
+def _global_predictions(method, model, sets: EvalSets, pred_pooled: torch.Tensor, pipeline: InputPipeline,
+                        batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(predictions, labels) of the loaded model on the global test set."""
     if sets.global_test == "official_test":
         idx = torch.arange(len(sets.official.y), device=sets.official.y.device)
-        pred = predict(method, model, sets.official, idx, pipeline, batch_size)
-        return float((pred == sets.official.y).float().mean())
+        return predict(method, model, sets.official, idx, pipeline, batch_size), sets.official.y
     # pooled over the union of local test sets, each client's images counted as in its set (SGPT code)
-    correct = total = 0
-    for c in range(len(sets.client_indices)):
-        k, n = _client_correct(pred_pooled, sets, c)
-        correct, total = correct + k, total + n
-    return correct / max(total, 1)
+    pos = [sets.positions(c) for c in range(len(sets.client_indices))]
+    pos = torch.cat(pos) if pos else torch.empty(0, dtype=torch.long, device=pred_pooled.device)
+    return pred_pooled[pos], sets.source.y[sets.pooled[pos]]
+
+
+def _global_acc(sets: EvalSets, pred: torch.Tensor, labels: torch.Tensor) -> float:
+    """Accuracy on the global test set (official: a float32 mean; pooled: correct / total in integers)."""
+    if sets.global_test == "official_test":
+        return float((pred == labels).float().mean())
+    return int((pred == labels).sum()) / max(len(labels), 1)
+
+
+def class_accuracy(pred: torch.Tensor, labels: torch.Tensor, num_classes: int) -> list[float]:
+    """Accuracy on each class's images (NaN for a class with none)."""
+    total = torch.bincount(labels, minlength=num_classes).tolist()
+    correct = torch.bincount(labels[pred == labels], minlength=num_classes).tolist()
+    return [k / n if n else math.nan for k, n in zip(correct, total, strict=True)]
+
+
+def _class_rows(client: int, accs: list[float]) -> list[tuple[int, str, str, float]]:
+    """One ``acc_class<k>`` row per class."""
+    return [(client, "global", f"acc_class{k}", a) for k, a in enumerate(accs)]
 
 
 def evaluate_round(method, sets: EvalSets, pipeline: InputPipeline, batch_size: int,
-                   load: Callable[[int | None], torch.nn.Module]) -> list[tuple[int, str, str, float]]:
+                   load: Callable[[int | None], torch.nn.Module],
+                   per_class: bool = False) -> list[tuple[int, str, str, float]]:
     """Rows (client, split, metric, value) for one evaluated round; ``load(cid)`` loads and returns the model
-    that scores client ``cid`` (``load(None)``: the global model)."""
+    that scores client ``cid`` (``load(None)``: the global model); ``per_class`` adds ``acc_class<k>`` rows."""
     rows: list[tuple[int, str, str, float]] = []
     num_clients = len(sets.client_indices)
     local_acc: list[float] = []
@@ -76,18 +99,27 @@ def evaluate_round(method, sets: EvalSets, pipeline: InputPipeline, batch_size: 
         for c in range(num_clients):
             k, n = _client_correct(pred, sets, c)
             local_acc.append(k / max(n, 1))
-        global_acc = _global_acc(method, model, sets, pred, pipeline, batch_size)
+        g_pred, g_labels = _global_predictions(method, model, sets, pred, pipeline, batch_size)
+        global_acc = _global_acc(sets, g_pred, g_labels)
+        if per_class:
+            rows += _class_rows(-1, class_accuracy(g_pred, g_labels, method.num_classes))
     else:
         # each client's own model: local accuracy on its test set, global accuracy on the global test set
-        global_accs = []
+        global_accs, class_accs = [], []
         for c in range(num_clients):
             model = load(c)
             pred = predict(method, model, sets.source, sets.pooled, pipeline, batch_size)
             k, n = _client_correct(pred, sets, c)
             local_acc.append(k / max(n, 1))
-            global_accs.append(_global_acc(method, model, sets, pred, pipeline, batch_size))
+            g_pred, g_labels = _global_predictions(method, model, sets, pred, pipeline, batch_size)
+            global_accs.append(_global_acc(sets, g_pred, g_labels))
             rows.append((c, "global", "acc", global_accs[-1]))
+            if per_class:
+                class_accs.append(class_accuracy(g_pred, g_labels, method.num_classes))
+                rows += _class_rows(c, class_accs[-1])
         global_acc = sum(global_accs) / num_clients
+        if per_class:
+            rows += _class_rows(-1, [sum(a) / num_clients for a in zip(*class_accs, strict=True)])
     for c, a in enumerate(local_acc):
         rows.append((c, "local", "acc", a))
     rows.append((-1, "global", "acc", global_acc))

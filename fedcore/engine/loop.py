@@ -35,7 +35,7 @@ class RunSpec:
     identity: dict[str, Any]          # paper, experiment, method, scale, dataset, seed
     federation: dict[str, Any]        # rounds, participation, local_epochs, batch_size
     optimizer: dict[str, Any]
-    evaluation: dict[str, Any] = field(default_factory=dict)  # global_test, every, batch_size
+    evaluation: dict[str, Any] = field(default_factory=dict)  # global_test, every, batch_size, per_class
     final_window: int = 1             # the last rounds are always evaluated (the report window)
     method_params: dict[str, Any] = field(default_factory=dict)  # the method's (or variant's) params
 
@@ -183,7 +183,8 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
                 torch.manual_seed(stream_seed(spec.seed, r, c, 3))  # any randomness of an eval-time adaptation
                 evaluator.load(m, c, state["server"], client_state(c), data_of(c, r, stream=2))
                 return m
-            for c, split, metric, value in evaluate_round(method, eval_sets, pipeline, eval_bs, load):
+            per_class = bool(spec.evaluation.get("per_class", False))
+            for c, split, metric, value in evaluate_round(method, eval_sets, pipeline, eval_bs, load, per_class):
                 state["rows"].append((r, c, split, metric, value))
                 if c == -1 and split == "global":
                     bar.set_postfix(global_acc=f"{value:.3f}")

@@ -20,6 +20,7 @@ METHODS: dict[str, str] = {
     "pfedpg": "pfedpg",
     "per_fedavg": "per_fedavg",
     "fedrep": "fedrep",
+    "fedhpl": "fedhpl",
 }
 
 

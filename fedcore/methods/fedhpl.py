@@ -1,0 +1,293 @@
+"""FedHPL: heterogeneous FL with prompt tuning and logit distillation (Ma et al., arXiv:2405.17267).
+
+Spec: spec/fedhpl.md §1 (method), §2 (hyper-parameters), §8 (defaults where the paper is silent).
+
+Model (§1.1–1.3). Client k keeps its own frozen backbone (``client_backbones[k]``; ViTs and ResNets of
+different widths may mix) and trains only prompts and a linear head, which never leave it. ViT: VPT-deep
+(``prompt_depth: deep``, fresh tokens replace the previous block's prompt outputs at every block) or
+VPT-shallow, ``num_prompts`` n = 3 tokens per block, VPT's uniform init; the head reads the final-norm CLS.
+ResNet ("FedHPL (CNN)"): ``pad_width`` = 3 learnable pixels concatenated around the normalised image
+(``PixelPadPrompt``), the frozen ResNet in eval mode, the head on its pooled feature.
+
+Local update (§1.4, Alg. 1). Per batch: CE(p, y) + γ · mean_i KL(softmax(p̃_{k,y_i}/T) ‖ softmax(p_i/T)), with
+the teacher p̃_{k,c} the server's client-specific logit of the sample's true class, T = 4.5, γ = 1, no T²
+factor, mean over the whole batch (Alg. 1 divides the bracket by bs). A class that no client uploaded has no
+teacher and its samples get CE only (C.4's "replace p̃ by the local logit" gives KL = 0); in round 1 no
+class has one, so round 1 is CE only. The teacher reaches the loss as two buffers of the client's model
+(``teacher``, ``teacher_mask``) loaded from the downlink, so that clients sharing one backbone can train
+together (one vmap over their stacked state; engine ``batchable``) with each its own teacher.
+
+Upload (§1.5). After local training, one pass over the client's own train set, no gradient, eval mode, no
+augmentation. ``upload: All`` sends the raw logits with their labels of the samples it predicts correctly;
+``upload: Average`` sends per class their mean and count (n_c·(n_c + 1) numbers). ``upload_correct_only:
+false`` is Fig. 3(c)'s "upload all logits" (every sample, correct or not).
+
+Server (§1.6, Eqs. 7, 8, 36). β_{k,j} = min(d_k/d_j, d_j/d_k), d the backbones' feature dims (``beta: dims``),
+or β ≡ 1 (``beta: uniform``, Fig. 3(c)'s average aggregation). p̃_{k,c} = Σ_j β_{k,j} S_{j,c} / (1 + Σ_j β_{k,j}
+|D̃_{j,c}|), with S_{j,c} the sum of client j's uploaded class-c logits and |D̃_{j,c}| their number (§8.1); the
+"All" and "Average" uploads give the same sums. The server state holds these logits and the round's upload
+counts only: no model tensor ever leaves a client. Every round the counts are logged (Table 10:
+``upload_count`` = |D̃_k|, ``upload_count_class<c>``, ``upload_numbers`` = floats sent).
+
+Evaluation (§3.3): each client's own model (``personalized``); with ``evaluation: {global_test:
+official_test, per_class: true}`` every client is scored on the full test set, per client (mean, min, max
+over clients) and per class.
+
+Choices where the paper is silent (DEVIATIONS.md, FedHPL): the optimiser state persists across rounds
+(``keep_optimizer``, §1.7; then clients train one by one); the server uses the uploads of the round's
+clients only (the paper has all 5 every round); pad pixels start at zero (``pad_init``); the upload pass
+reuses the client's round batch order; logits travel in float32 and the server sums them in float64.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from fedcore.backbones.prompted import PromptedViT
+from fedcore.backbones.resnet import PromptedResNet
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData
+from fedcore.engine.roles import Client, FitResult, Method, Payload, RoundContext, RoundInfo, Strategy
+from fedcore.methods.base import PersonalEvaluator, PromptClassifier
+
+TEACHER, TEACHER_MASK = "teacher", "teacher_mask"  # buffers of a client's model: its downlink
+UPLOADS = ("All", "Average")
+BETAS = ("dims", "uniform")
+DEPTHS = ("deep", "shallow")
+PAD_INITS = ("zeros", "normal")
+
+
+# ---- the client's model -----------------------------------------------------------------------------
+class PaddedResNetClassifier(nn.Module):
+    """FedHPL (CNN): learnable pixels padded around the image, the frozen ResNet, a linear head."""
+
+    def __init__(self, backbone: PromptedResNet, num_classes: int, width: int = 3, init: str = "zeros") -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.pad = backbone.make_pad_prompt(width=width, init=init)
+        self.head = nn.Linear(backbone.feature_dim, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits."""
+        return self.head(self.backbone(x, self.pad))
+
+
+def with_teacher(model: nn.Module, num_classes: int) -> nn.Module:
+    """Give ``model`` the buffers its distillation loss reads: the per-class teacher logits and which exist."""
+    model.register_buffer(TEACHER, torch.zeros(num_classes, num_classes))
+    model.register_buffer(TEACHER_MASK, torch.zeros(num_classes))
+    return model
+
+
+# ---- loss ---------------------------------------------------------------------------------------------
+def distillation_loss(logits: Tensor, labels: Tensor, teacher: Tensor, mask: Tensor, temperature: float) -> Tensor:
+    """Eqs. 2, 9: mean over the batch of KL(softmax(teacher[y]/T) ‖ softmax(logits/T)); 0 where mask[y] = 0."""
+    log_student = F.log_softmax(logits / temperature, dim=1)
+    target = F.softmax(teacher[labels] / temperature, dim=1)
+    kl = F.kl_div(log_student, target, reduction="none").sum(dim=1)
+    return (kl * mask[labels]).mean()
+
+
+def fedhpl_loss(logits: Tensor, labels: Tensor, teacher: Tensor, mask: Tensor, gamma: float,
+                temperature: float) -> Tensor:
+    """Alg. 1's batch loss: CE + γ · distillation towards the true class's teacher logit (no T² factor)."""
+    return F.cross_entropy(logits, labels) + gamma * distillation_loss(logits, labels, teacher, mask, temperature)
+
+
+# ---- uploads and server algebra -----------------------------------------------------------------------
+def upload_all(logits: Tensor, labels: Tensor) -> Payload:
+    """The "All" uplink: every kept logit with its label."""
+    return {"logits": logits.float(), "labels": labels.long()}
+
+
+def upload_average(logits: Tensor, labels: Tensor, num_classes: int) -> Payload:
+    """The "Average" uplink: per class the mean kept logit (zeros where none) and the count."""
+    sums, counts = class_sums(upload_all(logits, labels), num_classes)
+    means = torch.where(counts[:, None] > 0, sums / counts.clamp(min=1)[:, None], torch.zeros_like(sums))
+    return {"means": means.float(), "counts": counts}
+
+
+def class_sums(uplink: Payload, num_classes: int) -> tuple[Tensor, Tensor]:
+    """(S (C, C), counts (C,)) in float64: per class the sum of the uplink's logits and their number."""
+    if "means" in uplink:  # Eq. 36: the mean times the count is the sum
+        counts = uplink["counts"].to(torch.float64)
+        return uplink["means"].to(torch.float64) * counts[:, None], counts
+    logits, labels = uplink["logits"].to(torch.float64), uplink["labels"]
+    sums = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=logits.device)
+    sums.index_add_(0, labels, logits)
+    return sums, torch.bincount(labels, minlength=num_classes).to(torch.float64)
+
+
+def beta_matrix(dims: Sequence[float]) -> Tensor:
+    """Eq. 7: β_{k,j} = min(d_k/d_j, d_j/d_k) (K, K), float64; row k weighs the clients for client k."""
+    d = torch.tensor([float(x) for x in dims], dtype=torch.float64)
+    if (d <= 0).any():
+        raise ValueError(f"latent dims must be positive, got {list(dims)}")
+    ratio = d[:, None] / d[None, :]
+    return torch.minimum(ratio, ratio.T)
+
+
+def global_logits(sums: Tensor, counts: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+    """Eq. 8 for every client k and class c: (p̃ (K, C, C), mask (K, C): 1 where some logit of c was uploaded).
+
+    sums (J, C, C): client j's summed class-c logits; counts (J, C): their numbers; beta (K, J).
+    p̃_{k,c} = Σ_j β_kj sums_jc / (1 + Σ_j β_kj counts_jc).
+    """
+    num = torch.einsum("kj,jcd->kcd", beta, sums)
+    weight = beta @ counts
+    return num / (1.0 + weight)[..., None], (weight > 0).to(sums.dtype)
+
+
+# ---- roles --------------------------------------------------------------------------------------------
+class FedHPLClient(Client):
+    """CE + logit distillation on prompts and head; uploads per-class knowledge (logits), never tensors of its model."""
+
+    #: clients sharing one backbone may train together when the optimiser is fresh each round (see module doc)
+    batchable = True
+
+    @property
+    def keep_optimizer(self) -> bool:  # type: ignore[override]  # a param here, a class constant elsewhere
+        """Whether each client's optimiser state persists across rounds (spec §1.7)."""
+        return bool(self.params["keep_optimizer"])
+
+    def shared_keys(self, keys: list[str]) -> list[str]:
+        """Nothing of the model is sent to the server."""
+        return []
+
+    def personal_keys(self, keys: list[str]) -> list[str]:
+        """Prompts and head stay with the client; the teacher buffers come fresh with every downlink."""
+        return [k for k in keys if k not in (TEACHER, TEACHER_MASK)]
+
+    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        """CE + γ · KD towards the downlink's teacher logits (loaded into the model's buffers)."""
+        p = self.params
+        return fedhpl_loss(model(batch.x).float(), batch.y, getattr(model, TEACHER), getattr(model, TEACHER_MASK),
+                           float(p["gamma"]), float(p["temperature"]))
+
+    @torch.no_grad()
+    def local_logits(self, model: nn.Module, data: ClientData) -> tuple[Tensor, Tensor]:
+        """(logits, labels) of every local training sample: one more pass, eval mode, no augmentation."""
+        was_training = model.training
+        model.eval()
+        try:
+            out = [(self.method.evaluator.predict(model, b), b.y) for b in data.batches()]
+        finally:
+            model.train(was_training)
+        return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+
+    def upload(self, model: nn.Module, cid: int, data: ClientData, stats: dict[str, float]) -> Payload:
+        """The correctly predicted logits (or all, for Fig. 3(c)), as "All" or "Average"."""
+        logits, labels = self.local_logits(model, data)
+        if self.params["upload_correct_only"]:
+            keep = logits.argmax(dim=1) == labels
+            logits, labels = logits[keep], labels[keep]
+        if self.params["upload"] == "Average":
+            return upload_average(logits, labels, self.method.num_classes)
+        return upload_all(logits, labels)
+
+
+class FedHPLServer(Strategy):
+    """Weighted knowledge aggregation: client-specific per-class logits from every uploaded logit."""
+
+    def init_state(self, num_clients: int) -> Payload:
+        """No teacher yet (round 1 is CE only), no uploads."""
+        c = self.method.num_classes
+        return {"logits": torch.zeros(num_clients, c, c), "mask": torch.zeros(num_clients, c),
+                "counts": torch.zeros(num_clients, c), "numbers": torch.zeros(num_clients),
+                "uploaded": torch.zeros(num_clients, dtype=torch.bool)}
+
+    def beta(self, num_clients: int) -> Tensor:
+        """β (K, K) from each client's backbone feature dim, or all ones (``beta: uniform``)."""
+        if self.params["beta"] == "uniform":
+            return torch.ones(num_clients, num_clients, dtype=torch.float64)
+        return beta_matrix([self.method.model_for(k).backbone.feature_dim for k in range(num_clients)])
+
+    def configure(self, state: Payload, cid: int) -> Payload:
+        """Client ``cid``'s teacher logits p̃_k (C, C) and which classes have one."""
+        return {"model": {TEACHER: state["logits"][cid], TEACHER_MASK: state["mask"][cid]}}
+
+    def aggregate(self, info: RoundInfo, state: Payload, results: list[FitResult]) -> Payload:
+        """Eq. 8 over the round's uploads; clients that did not take part contribute nothing."""
+        k, c = state["logits"].shape[0], self.method.num_classes
+        sums = torch.zeros(k, c, c, dtype=torch.float64)
+        counts = torch.zeros(k, c, dtype=torch.float64)
+        numbers, uploaded = torch.zeros(k), torch.zeros(k, dtype=torch.bool)
+        for r in results:
+            s, n = class_sums(r.uplink, c)
+            sums[r.cid], counts[r.cid], uploaded[r.cid] = s.cpu(), n.cpu(), True
+            numbers[r.cid] = float(sum(t.numel() for t in r.uplink.values()))
+        logits, mask = global_logits(sums, counts, self.beta(k))
+        return {"logits": logits.float(), "mask": mask.float(), "counts": counts.float(), "numbers": numbers,
+                "uploaded": uploaded}
+
+
+class FedHPLEvaluator(PersonalEvaluator):
+    """Each client's own model; logs the round's upload counts (Table 10)."""
+
+    def round_rows(self, ctx: RoundContext, model: nn.Module, server: Payload) -> list[tuple[int, str, str, float]]:
+        """|D̃_k|, |D̃_{k,c}| and the number of floats sent, per uploading client."""
+        rows: list[tuple[int, str, str, float]] = []
+        for k in torch.nonzero(server["uploaded"]).flatten().tolist():
+            counts = server["counts"][k].tolist()
+            rows.append((k, "train", "upload_count", float(sum(counts))))
+            rows.append((k, "train", "upload_numbers", float(server["numbers"][k])))
+            rows += [(k, "train", f"upload_count_class{c}", float(n)) for c, n in enumerate(counts)]
+        return rows
+
+
+class FedHPL(Method):
+    """Prompts + head on each client's frozen (possibly different) backbone; per-class logits distilled."""
+
+    name = "fedhpl"
+    defaults: dict[str, Any] = {
+        "prompt_depth": "deep",         # ViT: deep (n tokens per block) | shallow (n tokens before block 0)
+        "num_prompts": 3,               # n
+        "pad_width": 3,                 # ResNet: learnable pixels on each side (Table 8)
+        "pad_init": "zeros",            # ResNet pad pixels: zeros | normal (N(0, 0.02²))
+        "temperature": 4.5,             # T
+        "gamma": 1.0,                   # γ (0: Local)
+        "upload": "All",                # All | Average (Tables 10, 11)
+        "upload_correct_only": True,    # false: Fig. 3(c)'s "upload all logits"
+        "beta": "dims",                 # dims (Eq. 7) | uniform (Fig. 3(c)'s average aggregation)
+        "keep_optimizer": True,         # each client's optimiser state persists across rounds (§1.7)
+    }
+    client_role = FedHPLClient
+    strategy_role = FedHPLServer
+    evaluator_role = FedHPLEvaluator
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> None:
+        """Allowed values of the choices, positive counts and temperature, γ >= 0, booleans."""
+        p, where = params, "method_params.fedhpl"
+        for key, allowed in (("prompt_depth", DEPTHS), ("pad_init", PAD_INITS), ("upload", UPLOADS),
+                             ("beta", BETAS)):
+            if p[key] not in allowed:
+                raise ValueError(f"{where}.{key} must be one of {allowed}, got {p[key]!r}")
+        for key in ("num_prompts", "pad_width"):
+            if isinstance(p[key], bool) or not isinstance(p[key], int) or p[key] < 1:
+                raise ValueError(f"{where}.{key} must be an integer >= 1, got {p[key]!r}")
+        for key, low, strict in (("temperature", 0.0, True), ("gamma", 0.0, False)):
+            v = p[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (v <= low if strict else v < low):
+                raise ValueError(f"{where}.{key} must be a number {'>' if strict else '>='} {low}, got {v!r}")
+        for key in ("upload_correct_only", "keep_optimizer"):
+            if not isinstance(p[key], bool):
+                raise ValueError(f"{where}.{key} must be true or false, got {p[key]!r}")
+
+    def build(self, backbone: nn.Module) -> nn.Module:
+        """VPT prompts + head on a ViT, pixel padding + head on a ResNet; plus the teacher buffers."""
+        p, c = self.params, self.num_classes
+        if isinstance(backbone, PromptedViT):
+            model: nn.Module = PromptClassifier(backbone, c, p["prompt_depth"], int(p["num_prompts"]))
+        elif isinstance(backbone, PromptedResNet):
+            model = PaddedResNetClassifier(backbone, c, int(p["pad_width"]), p["pad_init"])
+        else:
+            raise TypeError(f"fedhpl needs a PromptedViT or PromptedResNet backbone, got {type(backbone).__name__}")
+        return with_teacher(model, c)
+
+
+__all__ = ["FedHPL", "PaddedResNetClassifier", "beta_matrix", "class_sums", "distillation_loss", "fedhpl_loss",
+           "global_logits", "upload_all", "upload_average"]
