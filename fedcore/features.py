@@ -19,7 +19,7 @@ from fedcore.backbones.prompted import PromptedViT, attention_backend
 from fedcore.backbones.vit import backbone_info, build_vit
 from fedcore.data.arrays import load_bundle
 from fedcore.engine.data import DeviceSplit, InputPipeline
-from fedcore.io import atomic_path
+from fedcore.io import atomic_path, read_npz
 
 FORMAT = "fedcore-select-queries-v1"
 
@@ -69,11 +69,11 @@ def read_select_queries(path: str | Path) -> tuple[np.ndarray, np.ndarray, dict]
     """(train, test, meta) of a select-queries file, with a clear error for a wrong or missing file."""
     if path is None or not Path(path).exists():
         raise FileNotFoundError(f"select-queries file {path} does not exist (built by the features rule as artifact cls_block<b>)")
-    with np.load(path) as z:
-        meta = json.loads(str(z["meta"]))
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a {FORMAT} file (format {meta.get('format')!r})")
-        return z["train"], z["test"], meta
+    z = read_npz(path, "features")
+    meta = json.loads(str(z["meta"])) if "meta" in z else {}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} file (format {meta.get('format')!r})")
+    return z["train"], z["test"], meta
 
 
 def load_select_queries(path: str | Path | None, n_train: int, n_test: int, block: int | None,
