@@ -10,6 +10,7 @@ run ``PromptedViT.cls_features`` (the one ViT token forward, without prompts).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +60,9 @@ def compute_select_queries(dataset_path: str | Path, arch: str, weights: str | P
     with attention_backend(dev):
         for name, ds in (("train", bundle.train), ("test", bundle.test)):
             feats[name] = layer_features(backbone, DeviceSplit.from_arrays(ds, dev), pipeline, [block])[block]
-    meta = {"format": FORMAT, "arch": arch, "block": block, "dataset": str(dataset_path)}
+    # the dataset relative to the working directory: the file's bytes then do not depend on where the
+    # checkout lies (an absolute path would make two otherwise equal result directories differ)
+    meta = {"format": FORMAT, "arch": arch, "block": block, "dataset": Path(os.path.relpath(dataset_path)).as_posix()}
     with atomic_path(out_path, suffix=".npz") as tmp:
         with open(tmp, "wb") as f:
             np.savez(f, train=feats["train"], test=feats["test"], meta=json.dumps(meta))
