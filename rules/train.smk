@@ -14,6 +14,8 @@ rule train:
         identity=identity,
         arch=lambda wc: run_archs(wc.experiment),
         checkpoint=lambda wc: f"{run_dir(wc.experiment, wc.method, wc.seed)}/checkpoint.pt",
+        # every attempt's log, outside the outputs: Snakemake deletes the job's log before each attempt
+        log_history=lambda wc: f"{run_dir(wc.experiment, wc.method, wc.seed)}/attempts.log",
         device=CFG.top["device"],
         threads=CFG.top["threads_per_run"],
     log:
