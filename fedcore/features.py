@@ -10,6 +10,7 @@ run ``PromptedViT.cls_features`` (the one ViT token forward, without prompts).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from fedcore.backbones.prompted import PromptedViT, attention_backend
 from fedcore.backbones.vit import backbone_info, build_vit
 from fedcore.data.arrays import load_bundle
 from fedcore.engine.data import DeviceSplit, InputPipeline
-from fedcore.io import atomic_path
+from fedcore.io import atomic_path, read_npz
 
 FORMAT = "fedcore-select-queries-v1"
 
@@ -59,7 +60,9 @@ def compute_select_queries(dataset_path: str | Path, arch: str, weights: str | P
     with attention_backend(dev):
         for name, ds in (("train", bundle.train), ("test", bundle.test)):
             feats[name] = layer_features(backbone, DeviceSplit.from_arrays(ds, dev), pipeline, [block])[block]
-    meta = {"format": FORMAT, "arch": arch, "block": block, "dataset": str(dataset_path)}
+    # the dataset relative to the working directory: the file's bytes then do not depend on where the
+    # checkout lies (an absolute path would make two otherwise equal result directories differ)
+    meta = {"format": FORMAT, "arch": arch, "block": block, "dataset": Path(os.path.relpath(dataset_path)).as_posix()}
     with atomic_path(out_path, suffix=".npz") as tmp:
         with open(tmp, "wb") as f:
             np.savez(f, train=feats["train"], test=feats["test"], meta=json.dumps(meta))
@@ -69,11 +72,11 @@ def read_select_queries(path: str | Path) -> tuple[np.ndarray, np.ndarray, dict]
     """(train, test, meta) of a select-queries file, with a clear error for a wrong or missing file."""
     if path is None or not Path(path).exists():
         raise FileNotFoundError(f"select-queries file {path} does not exist (built by the features rule as artifact cls_block<b>)")
-    with np.load(path) as z:
-        meta = json.loads(str(z["meta"]))
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a {FORMAT} file (format {meta.get('format')!r})")
-        return z["train"], z["test"], meta
+    z = read_npz(path, "features")
+    meta = json.loads(str(z["meta"])) if "meta" in z else {}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} file (format {meta.get('format')!r})")
+    return z["train"], z["test"], meta
 
 
 def load_select_queries(path: str | Path | None, n_train: int, n_test: int, block: int | None,

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from fedcore.io import atomic_path
+from fedcore.io import atomic_path, read_npz
 
 REQUIRED = "<required>"  # marker in SCHEMES for keys without a default (a string so SCHEMES stays JSON-able)
 
@@ -156,25 +156,21 @@ class Partition:
 
     @classmethod
     def load(cls, path: str | Path) -> "Partition":
-        """Read a partition written by save(), with a clear error if missing or not a partition."""
+        """Read a partition written by save(), with a clear error if missing, unreadable or not a partition."""
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"partition file {path} does not exist; build it with the pipeline's partition rule")
-        try:
-            z = np.load(path, allow_pickle=False)
-        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same explanation
-            raise ValueError(f"{path} is not a readable .npz partition file: {err}") from err
-        with z:
-            missing = sorted(set(_NPZ_KEYS) - set(z.files))
-            if missing:
-                raise ValueError(f"{path} is not a fedcore partition file (missing arrays {missing}; has {sorted(z.files)})")
-            spec = json.loads(bytes(z["spec_json"]).decode())
-            return cls(
-                train=_split_offsets(z["train_idx"], z["train_offsets"]),
-                test=_split_offsets(z["test_idx"], z["test_offsets"]),
-                spec=spec,
-                seed=int(z["seed"][0]),
-            )
+        z = read_npz(path, "partition")
+        missing = sorted(set(_NPZ_KEYS) - set(z))
+        if missing:
+            raise ValueError(f"{path} is not a fedcore partition file (missing arrays {missing}; has {sorted(z)})")
+        spec = json.loads(bytes(z["spec_json"]).decode())
+        return cls(
+            train=_split_offsets(z["train_idx"], z["train_offsets"]),
+            test=_split_offsets(z["test_idx"], z["test_offsets"]),
+            spec=spec,
+            seed=int(z["seed"][0]),
+        )
 
 
 _FORMAT_VERSION = 1

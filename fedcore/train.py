@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -59,7 +59,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
               metrics_out: str | Path, final_out: str | Path, checkpoint_path: str | Path | None = None,
               device: str = "auto", threads: int | None = None, progress: bool = True,
               stop_after_round: int | None = None, artifacts: dict[str, str | Path] | None = None,
-              ) -> RunResult | None:
+              depends_on: Sequence[str | Path] = ()) -> RunResult | None:
     """Train one (experiment, method, seed) and write its metrics Parquet and final state atomically.
 
     ``params['method']`` names the registered method when the run's method is a variant of it
@@ -67,6 +67,11 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     ``backbone_arch``/``backbone_weights`` may list several backbones; ``params['client_backbones'][c]``
     then says which one client c uses. ``artifacts`` maps each per-sample artifact the method declares
     (``Method.artifacts``) to its file (rule ``features``).
+
+    The per-round checkpoint outlives the run: when Snakemake is interrupted while the job runs, the job
+    still finishes, Snakemake then deletes its outputs as incomplete and reruns it, and the rerun rebuilds
+    them from the last checkpoint instead of training again. A checkpoint older than a file the run reads
+    (dataset, partition, weights, artifacts, and ``depends_on``: the job's code) is not resumed.
     """
     if threads:
         torch.set_num_threads(threads)
@@ -127,9 +132,12 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
                    evaluation=evaluation, final_window=int(params.get("final_window", 1)),
                    method_params={"method": cls.name, **method.params, "client_backbones": client_backbones,
                                   "backbones": archs})
+    reads = [dataset_path, partition_path, *(w for w in weights if w is not None), *(artifacts or {}).values(),
+             *depends_on]
     with attention_backend(dev):
         result = run_federated(method, train, test, [to_idx(t) for t in part.train], eval_sets, pipeline, spec,
-                               checkpoint_path, stop_after_round=stop_after_round, progress=progress)
+                               checkpoint_path, stop_after_round=stop_after_round, progress=progress,
+                               checkpoint_inputs=reads)
     if result is None:
         return None
     with atomic_path(final_out, suffix=".pt") as tmp:
@@ -137,6 +145,4 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
                     "server": result.server_state, "clients": result.client_states}, tmp)
     with atomic_path(metrics_out, suffix=".parquet") as tmp:
         result.metrics.to_parquet(tmp, index=False)
-    if checkpoint_path and Path(checkpoint_path).exists():
-        Path(checkpoint_path).unlink()  # the run is complete; final_out holds its state
     return result

@@ -13,7 +13,11 @@ rule train:
         cfg=lambda wc: CFG.train_params(wc.experiment, wc.method),
         identity=identity,
         arch=lambda wc: run_archs(wc.experiment),
+        # outside the outputs, so that Snakemake keeps them when it reruns an interrupted job: the last
+        # per-round state (kept after the run, to rebuild outputs Snakemake deleted as incomplete) and
+        # the log of every attempt (Snakemake deletes the job's log before each one)
         checkpoint=lambda wc: f"{run_dir(wc.experiment, wc.method, wc.seed)}/checkpoint.pt",
+        log_history=lambda wc: f"{run_dir(wc.experiment, wc.method, wc.seed)}/attempts.log",
         device=CFG.top["device"],
         threads=CFG.top["threads_per_run"],
     log:

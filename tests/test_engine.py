@@ -1,6 +1,9 @@
 """Engine: aggregation arithmetic, sampling, determinism, resume equality, what each baseline trains."""
 from __future__ import annotations
 
+import logging
+import os
+
 import pandas as pd
 import pytest
 import torch
@@ -69,9 +72,49 @@ def test_interrupted_run_resumes_to_identical_metrics(tiny_run_files, tmp_path):
     pd.testing.assert_frame_equal(full.metrics, resumed.metrics)
     for name, t in full.global_state.items():
         assert torch.equal(t, resumed.global_state[name]), name
-    assert not (tmp_path / "cut" / "ckpt.pt").exists()  # a finished run leaves only its final state
     written = pd.read_parquet(tmp_path / "cut" / "metrics.parquet")
     pd.testing.assert_frame_equal(written, full.metrics)
+
+
+def test_finished_run_keeps_its_checkpoint_and_a_rerun_rebuilds_its_outputs(tiny_run_files, tmp_path, caplog):
+    """Snakemake deletes the outputs of a job it was interrupted during, though the job finished: the rerun
+    rebuilds them from the kept last checkpoint without training again."""
+    full = _train(tiny_run_files, tmp_path, rounds=3)
+    assert (tmp_path / "ckpt.pt").exists()
+    for name in ("metrics.parquet", "final.pt"):
+        (tmp_path / name).unlink()
+    with caplog.at_level(logging.INFO, logger="fedcore.engine.loop"):
+        again = _train(tiny_run_files, tmp_path, rounds=3)
+    assert "resuming from round 3 of 3" in caplog.text
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "metrics.parquet"), full.metrics)
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for name, t in full.global_state.items():
+        assert torch.equal(t, again.global_state[name]) and torch.equal(t, final["global"][name]), name
+
+
+def test_checkpoint_older_than_a_file_the_run_reads_is_not_resumed(tiny_run_files, tmp_path, caplog):
+    code = tmp_path / "method.py"
+    code.write_text("# the method's code\n")
+
+    def run(work, stop=None):
+        return train_run(run_params(rounds=3), identity("fedvpt"), tiny_run_files["dataset"],
+                         tiny_run_files["partition"], "vit_mini", tiny_run_files["weights"], work / "m.parquet",
+                         work / "f.pt", checkpoint_path=work / "ckpt.pt", progress=False, stop_after_round=stop,
+                         depends_on=[code])
+
+    for d in ("a", "b", "c"):
+        (tmp_path / d).mkdir()
+    clean = run(tmp_path / "c").metrics
+    with caplog.at_level(logging.INFO, logger="fedcore.engine.loop"):
+        assert run(tmp_path / "a", stop=2) is None and run(tmp_path / "b", stop=2) is None
+        caplog.clear()
+        pd.testing.assert_frame_equal(run(tmp_path / "a").metrics, clean)   # unchanged inputs: resumed
+        assert "resuming from round 2 of 3" in caplog.text
+        caplog.clear()
+        written = (tmp_path / "b" / "ckpt.pt").stat().st_mtime
+        os.utime(code, (written + 5, written + 5))                          # the method edited after
+        pd.testing.assert_frame_equal(run(tmp_path / "b").metrics, clean)
+        assert "is older than " + str(code) in caplog.text and "resuming" not in caplog.text
 
 
 def test_checkpoint_from_other_settings_is_not_resumed(tiny_run_files, tmp_path):

@@ -55,3 +55,22 @@ def test_select_queries_file_round_trip_and_checks(tmp_path):
     with pytest.raises(ValueError, match="outside vit_mini's blocks"):
         compute_select_queries(tmp_path / "data.npz", "vit_mini", tmp_path / "vit.pt", 4, tmp_path / "q4.npz",
                                device="cpu")
+
+
+def test_features_file_names_its_dataset_relative_to_the_working_directory(tmp_path, monkeypatch):
+    """Two checkouts (working directories) given absolute paths write byte-identical features files."""
+    torch.manual_seed(0)
+    weights = build_vit("vit_mini").state_dict()
+    files = []
+    for checkout in ("a", "b"):
+        root = tmp_path / checkout
+        (root / "results" / "data").mkdir(parents=True)
+        save_bundle(synthetic_bundle(n_train=12, n_test=4), root / "results" / "data" / "digits.npz")
+        torch.save(weights, root / "vit.pt")
+        monkeypatch.chdir(root)
+        out = root / "results" / "features" / "q.npz"
+        compute_select_queries(root / "results" / "data" / "digits.npz", "vit_mini", root / "vit.pt", 2, out,
+                               device="cpu")
+        assert read_select_queries(out)[2]["dataset"] == "results/data/digits.npz"
+        files.append(out.read_bytes())
+    assert files[0] == files[1]

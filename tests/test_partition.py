@@ -368,7 +368,7 @@ def test_load_errors(tmp_path):
         Partition.load(other)
     junk = tmp_path / "junk.npz"
     junk.write_text("hello")
-    with pytest.raises(ValueError, match="not a readable"):
+    with pytest.raises(ValueError, match=r"junk\.npz is unreadable or incomplete .*rule partition"):
         Partition.load(junk)
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -150,3 +152,36 @@ def test_adding_a_seed_runs_only_the_new_seed(workspace):
     assert trains and {s for _, _, s in trains} == {"1"} and len(trains) == 5 * len(MICRO_METHODS) + 1
     assert {w["seed"] for r, w in jobs if r == "partition"} == {"1"}
     assert not [r for r, _ in jobs if r in ("pretrain_backbone", "build_dataset")]
+
+
+def test_interrupting_snakemake_alone_keeps_the_run_and_its_log(workspace):
+    """SIGINT to Snakemake's process only (not its group): the job finishes, Snakemake marks its outputs
+    incomplete; the rerun (rerun-incomplete, the default profile) deletes them and the job's log, and the job
+    rebuilds them from the kept checkpoint, without training, its log holding both attempts."""
+    run = Path("results/runs/mini/sgpt_c100_s50/head_tune/seed0")
+    target, log = str(run / "metrics.parquet"), workspace / "results/logs/train/mini/sgpt_c100_s50/head_tune/seed0.log"
+    stamps = {f: os.stat(workspace / run / f).st_mtime_ns for f in ("metrics.parquet", "final.pt")}
+    for kept in ("checkpoint.pt", "attempts.log"):  # the first attempt trains from round 1
+        (workspace / run / kept).unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(workspace), "OMP_NUM_THREADS": "1"}
+    with open(workspace / "interrupted.txt", "w") as out:
+        smk = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", "--force", target], cwd=workspace,
+                               env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        incomplete = workspace / ".snakemake" / "incomplete"
+        deadline = time.monotonic() + 120
+        while not (incomplete.is_dir() and any(incomplete.iterdir())):  # the job has started
+            assert smk.poll() is None and time.monotonic() < deadline, (workspace / "interrupted.txt").read_text()
+            time.sleep(0.05)
+        os.kill(smk.pid, signal.SIGINT)
+        assert smk.wait(timeout=180) != 0
+    assert any(incomplete.iterdir()) and "resuming" not in log.read_text()  # trained from round 1, then marked
+    first = pd.read_parquet(workspace / target)
+    rerun = _snakemake(workspace, target)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    text = log.read_text()
+    marker = text.index("attempt 2 of this job; the log above is from the earlier attempts")
+    assert "global_acc" in text[:marker] and "resuming from round 2 of 2" in text[marker:]
+    pd.testing.assert_frame_equal(pd.read_parquet(workspace / target), first)
+    for f, ns in stamps.items():  # as before the test, so that the other tests' dry runs plan nothing
+        os.utime(workspace / run / f, ns=(ns, ns))

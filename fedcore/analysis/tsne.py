@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from fedcore.io import atomic_path
+from fedcore.io import atomic_path, read_npz
 
 FORMAT = "fedcore-tsne-v1"
 
@@ -88,10 +88,10 @@ def compute_tsne(dataset_path: str | os.PathLike, arch: str, weights: str | os.P
 
 def read_tsne(path: str | os.PathLike) -> dict[str, Any]:
     """The probe's blocks, labels, per-block embeddings and meta, with a clear error for a wrong file."""
-    with np.load(path) as z:
-        meta = json.loads(str(z["meta"]))
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a {FORMAT} file (format {meta.get('format')!r})")
-        blocks = [int(b) for b in z["blocks"]]
-        return {"blocks": blocks, "labels": z["labels"], "meta": meta,
-                "embeddings": {b: z[f"emb_{b}"] for b in blocks if f"emb_{b}" in z.files}}
+    z = read_npz(path, "tsne_embedding")
+    meta = json.loads(str(z["meta"])) if "meta" in z else {}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} file (format {meta.get('format')!r})")
+    blocks = [int(b) for b in z["blocks"]]
+    return {"blocks": blocks, "labels": z["labels"], "meta": meta,
+            "embeddings": {b: z[f"emb_{b}"] for b in blocks if f"emb_{b}" in z}}

@@ -15,12 +15,16 @@ these. Nothing here downloads: weights come from a local file or the model stays
 from __future__ import annotations
 
 import copy
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 from torch import nn
+
+from fedcore.io import rebuild_hint, unreadable
 
 FAMILIES = ("vit", "resnet", "clip")
 SOURCES = ("timm", "torchvision", "open_clip", "fedcore")
@@ -53,6 +57,7 @@ class PretrainedCfg:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     source: str = ""  # where such weights come from (documentation and messages only)
+    rule: str = ""  # the pipeline rule that writes such weight files; "" for a file the user supplies
 
 
 class WeightFileError(ValueError, RuntimeError):
@@ -117,7 +122,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
 }
 
 _DIGITS = "pretrained by the pipeline on the digits bundle's held-out pretrain split (rule pretrain_backbone)"
-_DIGITS_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS)
+_DIGITS_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS, rule="pretrain_backbone")
 
 _TIMM_VIT_TAGS = {  # the timm weight tags whose input contract we know (224 px, mean = std = 0.5)
     "vit_small_patch16_224": ("augreg_in21k", "augreg_in21k_ft_in1k"),
@@ -191,8 +196,8 @@ def input_cfg(arch: str, tag: str | None = None) -> dict:
 
 
 # ---- weight files -----------------------------------------------------------------------------------
-def _check_file(arch: str, weights: str | Path) -> Path:
-    """Fail early, and say what to fix, when a configured weight file is absent."""
+def _check_file(arch: str, weights: str | Path, cfg: PretrainedCfg) -> Path:
+    """Fail early, and say what to fix, when a configured weight file is absent or cannot be read."""
     path = Path(weights)
     if not path.is_file():
         raise FileNotFoundError(
@@ -200,7 +205,17 @@ def _check_file(arch: str, weights: str | Path) -> Path:
             f"the backbone with `arch: {arch}` in config/backbones.yaml, or put the file there "
             f"(mini-scale weights such as vit_mini's are written by the pipeline's pretrain rule)"
         )
+    _file_keys(path, arch, cfg)  # a truncated download fails here, named, not inside timm or open_clip
     return path
+
+
+def _recovery(arch: str, path: Path, cfg: PretrainedCfg) -> str:
+    """How to get a good copy of a broken weight file: rebuild it (the pipeline's own) or fetch it again."""
+    if cfg.rule:
+        return rebuild_hint(cfg.rule)
+    return (f"download it again or replace it with a complete copy: it is the `weights:` file {path.name!r} of "
+            f"the backbone entry with `arch: {arch}` in config/backbones.yaml (its `source:` says where it "
+            f"comes from)")
 
 
 def read_state_dict(path: str | Path, mmap: bool = False) -> dict[str, torch.Tensor]:
@@ -218,19 +233,34 @@ def read_state_dict(path: str | Path, mmap: bool = False) -> dict[str, torch.Ten
     return {k.removeprefix("module."): v for k, v in sd.items()}
 
 
-def _file_keys(path: Path) -> set[str]:
+def _read_weights(path: Path, arch: str, cfg: PretrainedCfg, keys_only: bool = False) -> Any:
+    """The file's state dict (or only its parameter names), or a WeightFileError naming the file and the fix."""
+    try:
+        if not keys_only:
+            return read_state_dict(path)
+        if path.suffix == ".safetensors":  # names from the header, without reading tensors
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return {k.removeprefix("module.") for k in f.keys()}
+        if path.suffix == ".npz":  # Google's JAX files (timm's own loader maps their names)
+            with np.load(path, allow_pickle=False) as z:
+                return set(z.files)
+        # mmap reads only the zip index; torch's legacy (non-zip) format cannot be mapped
+        return set(read_state_dict(path, mmap=zipfile.is_zipfile(path)))
+    except Exception as e:  # noqa: BLE001 - torch, safetensors, zip and OS errors alike mean a bad file
+        raise WeightFileError(unreadable(path, e, _recovery(arch, path, cfg))) from e
+
+
+def _file_keys(path: Path, arch: str, cfg: PretrainedCfg) -> set[str]:
     """Parameter names stored in a weight file, read without loading tensors where the format allows."""
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return {k.removeprefix("module.") for k in f.keys()}
-    return set(read_state_dict(path, mmap=True))
+    return _read_weights(path, arch, cfg, keys_only=True)
 
 
-def _load_strict(model: nn.Module, path: Path, arch: str, drop_prefix: str | None = None) -> None:
+def _load_strict(model: nn.Module, path: Path, arch: str, cfg: PretrainedCfg,
+                 drop_prefix: str | None = None) -> None:
     """Load `path` into `model` strictly (after dropping a classifier), naming the file in any error."""
-    sd = read_state_dict(path)
+    sd = _read_weights(path, arch, cfg)
     if drop_prefix:
         sd = {k: v for k, v in sd.items() if not k.startswith(drop_prefix)}
     own = model.state_dict()
@@ -261,7 +291,7 @@ def _build_timm(arch: str, spec: ArchSpec, path: Path | None, cfg: PretrainedCfg
                               pretrained_cfg_overlay=overlay, **spec.kwargs)
     if path is not None and not str(path).endswith(".npz"):
         # timm loads non-strictly once it drops the classifier: make a wrong file an error, not random weights
-        missing = sorted(set(model.state_dict()) - _file_keys(path))
+        missing = sorted(set(model.state_dict()) - _file_keys(path, arch, cfg))
         if missing:
             raise WeightFileError(
                 f"{path} is not a {spec.builder} state dict: {len(missing)} backbone tensors missing, "
@@ -277,7 +307,7 @@ def _build_torchvision(arch: str, spec: ArchSpec, path: Path | None, cfg: Pretra
     model = getattr(torchvision.models, spec.builder)(weights=None, **spec.kwargs)
     model.fc = nn.Identity()
     if path is not None:
-        _load_strict(model, path, arch, drop_prefix=spec.classifier)
+        _load_strict(model, path, arch, cfg, drop_prefix=spec.classifier)
     return model
 
 
@@ -305,7 +335,7 @@ def _build_fedcore(arch: str, spec: ArchSpec, path: Path | None, cfg: Pretrained
         raise ValueError(f"arch {arch!r}: unknown fedcore builder {spec.builder!r}; known: {sorted(FEDCORE_BUILDERS)}")
     model = FEDCORE_BUILDERS[spec.builder](**spec.kwargs)
     if path is not None:
-        _load_strict(model, path, arch, drop_prefix=spec.classifier)
+        _load_strict(model, path, arch, cfg, drop_prefix=spec.classifier)
     return model
 
 
@@ -363,7 +393,7 @@ def build_backbone(arch: str, weights: str | Path | None = None, tag: str | None
     spec = arch_spec(arch)
     tag = spec.default_tag if tag is None else tag
     cfg = pretrained_cfg(arch, tag)
-    path = None if weights is None else _check_file(arch, weights)
+    path = None if weights is None else _check_file(arch, weights, cfg)
     model = BUILDERS[spec.source](arch, spec, path, cfg)
     if spec.family == "vit":
         built = model.patch_embed.img_size

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcore.io import atomic_path
+from fedcore.io import atomic_path, read_npz
 
 
 @dataclass
@@ -78,19 +78,18 @@ def save_bundle(bundle: DatasetBundle, path: str | Path) -> None:
 
 
 def load_bundle(path: str | Path) -> DatasetBundle:
-    """Read a bundle written by save_bundle, with a clear error if the file is missing or not a bundle."""
+    """Read a bundle written by save_bundle, with a clear error if the file is missing, unreadable or not a bundle."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset file {path} does not exist; build it with the pipeline's data rules")
-    with np.load(path, allow_pickle=False) as z:
-        keys = set(z.files)
-        if "meta_json" not in keys or "train_x" not in keys:
-            raise ValueError(f"{path} is not a fedcore dataset bundle (keys: {sorted(keys)})")
-        meta = json.loads(bytes(z["meta_json"]).decode())
-        splits = {}
-        for split in _SPLITS:
-            if f"{split}_x" not in keys:
-                splits[split] = None
-                continue
-            splits[split] = ArrayDataset(**{f: (z[f"{split}_{f}"] if f"{split}_{f}" in keys else None) for f in _FIELDS})
+    z = read_npz(path, "build_dataset")
+    if "meta_json" not in z or "train_x" not in z:
+        raise ValueError(f"{path} is not a fedcore dataset bundle (keys: {sorted(z)})")
+    meta = json.loads(bytes(z["meta_json"]).decode())
+    splits = {}
+    for split in _SPLITS:
+        if f"{split}_x" not in z:
+            splits[split] = None
+            continue
+        splits[split] = ArrayDataset(**{f: z.get(f"{split}_{f}") for f in _FIELDS})
     return DatasetBundle(train=splits["train"], test=splits["test"], pretrain=splits["pretrain"], meta=meta)

@@ -7,7 +7,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import pandas as pd
 import torch
@@ -77,15 +77,25 @@ class RunResult:
 
 
 class Checkpoint:
-    """Per-round resume state, written atomically; ignored (with a warning) if its run settings differ."""
+    """Per-round resume state, written atomically; ignored (with a warning) if its run settings differ or a
+    file the run reads (data, weights, code) changed after it was written."""
 
-    def __init__(self, path: str | Path | None, fingerprint: str) -> None:
+    def __init__(self, path: str | Path | None, fingerprint: str, inputs: Sequence[str | Path] = ()) -> None:
         self.path = Path(path) if path else None
         self.fingerprint = fingerprint
+        self.inputs = [Path(p) for p in inputs]
 
     def load(self) -> dict | None:
         """The saved state, or None to start fresh."""
         if self.path is None or not self.path.exists():
+            return None
+        # Snakemake's own rule: an input newer than a result means the result is out of date. A finished
+        # run keeps its checkpoint, so without this an edited method would be "resumed" and not retrained.
+        written = self.path.stat().st_mtime_ns
+        newer = [str(p) for p in self.inputs if p.stat().st_mtime_ns > written]
+        if newer:
+            log.warning("checkpoint %s is older than %s, which the run reads; starting from round 1",
+                        self.path, ", ".join(newer))
             return None
         try:
             state = torch.load(self.path, map_location="cpu", weights_only=False)
@@ -119,14 +129,17 @@ def _to_device(state: dict, device: torch.device) -> dict:
 def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_train: list[torch.Tensor],
                   eval_sets: EvalSets, pipeline: InputPipeline, spec: RunSpec,
                   checkpoint_path: str | Path | None = None, stop_after_round: int | None = None,
-                  progress: bool = True) -> RunResult | None:
-    """Run (or resume) a federated training; None if stopped early by ``stop_after_round``."""
+                  progress: bool = True, checkpoint_inputs: Sequence[str | Path] = ()) -> RunResult | None:
+    """Run (or resume) a federated training; None if stopped early by ``stop_after_round``.
+
+    A checkpoint older than any of ``checkpoint_inputs`` (the files the run reads) is not resumed.
+    """
     fed = spec.federation
     rounds, num_clients = int(fed["rounds"]), len(client_train)
     settings = TrainSettings(int(fed["local_epochs"]), int(fed["batch_size"]), dict(spec.optimizer))
     eval_bs = int(spec.evaluation.get("batch_size", 4 * settings.batch_size))
     device = train.x.device
-    ckpt = Checkpoint(checkpoint_path, spec.fingerprint())
+    ckpt = Checkpoint(checkpoint_path, spec.fingerprint(), checkpoint_inputs)
     client, strategy, evaluator = method.client, method.strategy, method.evaluator
 
     def data_of(c: int, r: int, stream: int = 0) -> ClientData:

@@ -2,11 +2,13 @@
 import logging
 import sys
 
+from fedcore.joblog import open_job_log
 
-def setup(snakemake) -> None:
-    """Route logging and stderr (progress bars included) to the job's log."""
+
+def setup(snakemake, history=None) -> None:
+    """Route logging and stderr (progress bars included) to the job's log; `history` keeps earlier attempts."""
     if snakemake.log:
-        fh = open(snakemake.log[0], "a", buffering=1)
+        fh = open_job_log(snakemake.log[0], history)
         sys.stderr = fh
         logging.basicConfig(stream=fh, level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                             force=True)

@@ -7,9 +7,9 @@ import _log  # noqa: E402
 
 from fedcore.train import train_run  # noqa: E402
 
-_log.setup(snakemake)
 p = snakemake.params
+_log.setup(snakemake, history=p.log_history)
 artifacts = {k.removeprefix("artifact_"): v for k, v in snakemake.input.items() if k.startswith("artifact_")}
 train_run(p.cfg, p.identity, snakemake.input.dataset, snakemake.input.partition, p.arch, snakemake.input.backbone,
           snakemake.output.metrics, snakemake.output.final, checkpoint_path=p.checkpoint, device=p.device,
-          threads=p.threads, artifacts=artifacts)
+          threads=p.threads, artifacts=artifacts, depends_on=snakemake.input.code)
