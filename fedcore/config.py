@@ -84,17 +84,44 @@ def _check_name(value: str, allowed, where: str, key: str) -> None:
         raise ConfigError(f"config error in {where} at {key}: {value!r} is not one of {sorted(allowed)}")
 
 
+def _as_yaml_scalars(value: Any) -> Any:
+    """Strings inside lists and mappings read as YAML reads them ('-1' -> -1, '0.5' -> 0.5, 'true' -> True)."""
+    if isinstance(value, list):
+        return [_as_yaml_scalars(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_yaml_scalars(v) for k, v in value.items()}
+    if isinstance(value, str):
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+        return parsed if isinstance(parsed, (bool, int, float)) else value
+    return value
+
+
 def apply_defaults(config: dict) -> dict:
-    """The top-level config with schema defaults filled in and command-line seeds made integers."""
+    """The top-level config with schema defaults filled in and command-line values typed as in a config file."""
     defaults = {"device": "auto", "results": "results", "resources": "resources", "threads_per_run": 1}
-    out = {**defaults, **config}
-    # `--config seeds=[0,1]` reaches us as ['0', '1'] and `seeds=0` as 0: accept both spellings
-    seeds = out.get("seeds")
-    if isinstance(seeds, (int, str)):
-        seeds = [seeds]
-    if isinstance(seeds, list):
-        out["seeds"] = [int(s) if isinstance(s, str) and s.strip().isdigit() else s for s in seeds]
+    # Snakemake parses `--config seeds=[0,-1]` with YAML's BaseLoader, so every scalar in a list reaches us as
+    # a string (['0', '-1']); read them as a config file's YAML would, so both spellings get the same checks
+    # and messages ("-1 is less than the minimum of 0", not "'-1' is not of type 'integer'").
+    out = {**defaults, **{k: _as_yaml_scalars(v) if isinstance(v, (list, dict)) else v for k, v in config.items()}}
+    if isinstance(out.get("seeds"), (int, str)):  # `seeds=0` reaches us as 0: one seed
+        out["seeds"] = [out["seeds"]]
     return out
+
+
+def _check_output_dirs(top: dict) -> None:
+    """``results`` and ``resources`` are directories, or do not exist yet (relative to Snakemake's working
+    directory, where the pipeline writes them)."""
+    for key in ("results", "resources"):
+        path = Path(str(top[key]))
+        for p in (path, *path.parents):
+            if p.exists():
+                if not p.is_dir():
+                    raise ConfigError(f"config error in {TOP_WHERE} at {key}: {top[key]!r} must be a directory "
+                                      f"(created if missing), but {str(p)!r} is a file")
+                break
 
 
 @dataclass
@@ -267,6 +294,7 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
     schema = _schema(root)
     top = apply_defaults(dict(config))
     validate(top, schema, "top", TOP_WHERE)
+    _check_output_dirs(top)
     backbones_file = root / CONFIG_DIR / "backbones.yaml"
     backbones = read_yaml(backbones_file)
     for name, entry in backbones.items():

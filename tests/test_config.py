@@ -289,3 +289,28 @@ def test_every_experiment_file_is_checked_at_every_scale(tmp_path):
         load_config(DEFAULT, root)
     assert ("paper.yaml: experiment 'sgpt_c100_s10', method 'sgpt', key 'select_block' = 12: allowed 0..11 "
             "(backbone vit_b16_in21k has 12 blocks)") in str(e.value)
+
+
+def test_command_line_values_are_checked_as_a_config_files_are():
+    """Snakemake reads `--config seeds=[-1]` as ['-1']: the message is the config file's, not the string's."""
+    from snakemake.cli import parse_config
+
+    cli = parse_config(["seeds=[-1]"])
+    assert cli == {"seeds": ["-1"]}
+    for given in (cli, {"seeds": [-1]}):
+        with pytest.raises(ConfigError, match=r"at seeds\[0\]: -1 is less than the minimum of 0"):
+            load_config({**DEFAULT, **given}, ROOT)
+    assert load_config({**DEFAULT, **parse_config(["seeds=[2,0]"])}, ROOT).seeds == [2, 0]
+
+
+def test_results_must_be_a_directory(tmp_path):
+    """`--config results=<a file>` used to end in a Snakemake traceback (NotADirectoryError)."""
+    from snakemake.cli import parse_config
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for value in (str(a_file), str(a_file / "sub")):
+        with pytest.raises(ConfigError, match=r"at results: .* must be a directory \(created if missing\), but "
+                                              rf"'{a_file}' is a file"):
+            load_config({**DEFAULT, **parse_config([f"results={value}"])}, ROOT)
+    assert load_config({**DEFAULT, "results": str(tmp_path / "new" / "results")}, ROOT).top["results"]
