@@ -14,7 +14,11 @@ from typing import Any
 import jsonschema
 import yaml
 
+from fedcore.constraints import BackboneFacts, RunFacts, violations
+from fedcore.data.facts import dataset_facts
+
 CONFIG_DIR = "config"
+TOP_WHERE = "the top-level config (config/config.yaml or --config)"
 TRAIN_KEYS = ("dataset", "backbone", "partition", "federation", "optimizer", "evaluation")
 
 
@@ -80,17 +84,44 @@ def _check_name(value: str, allowed, where: str, key: str) -> None:
         raise ConfigError(f"config error in {where} at {key}: {value!r} is not one of {sorted(allowed)}")
 
 
+def _as_yaml_scalars(value: Any) -> Any:
+    """Strings inside lists and mappings read as YAML reads them ('-1' -> -1, '0.5' -> 0.5, 'true' -> True)."""
+    if isinstance(value, list):
+        return [_as_yaml_scalars(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_yaml_scalars(v) for k, v in value.items()}
+    if isinstance(value, str):
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+        return parsed if isinstance(parsed, (bool, int, float)) else value
+    return value
+
+
 def apply_defaults(config: dict) -> dict:
-    """The top-level config with schema defaults filled in and command-line seeds made integers."""
+    """The top-level config with schema defaults filled in and command-line values typed as in a config file."""
     defaults = {"device": "auto", "results": "results", "resources": "resources", "threads_per_run": 1}
-    out = {**defaults, **config}
-    # `--config seeds=[0,1]` reaches us as ['0', '1'] and `seeds=0` as 0: accept both spellings
-    seeds = out.get("seeds")
-    if isinstance(seeds, (int, str)):
-        seeds = [seeds]
-    if isinstance(seeds, list):
-        out["seeds"] = [int(s) if isinstance(s, str) and s.strip().isdigit() else s for s in seeds]
+    # Snakemake parses `--config seeds=[0,-1]` with YAML's BaseLoader, so every scalar in a list reaches us as
+    # a string (['0', '-1']); read them as a config file's YAML would, so both spellings get the same checks
+    # and messages ("-1 is less than the minimum of 0", not "'-1' is not of type 'integer'").
+    out = {**defaults, **{k: _as_yaml_scalars(v) if isinstance(v, (list, dict)) else v for k, v in config.items()}}
+    if isinstance(out.get("seeds"), (int, str)):  # `seeds=0` reaches us as 0: one seed
+        out["seeds"] = [out["seeds"]]
     return out
+
+
+def _check_output_dirs(top: dict) -> None:
+    """``results`` and ``resources`` are directories, or do not exist yet (relative to Snakemake's working
+    directory, where the pipeline writes them)."""
+    for key in ("results", "resources"):
+        path = Path(str(top[key]))
+        for p in (path, *path.parents):
+            if p.exists():
+                if not p.is_dir():
+                    raise ConfigError(f"config error in {TOP_WHERE} at {key}: {top[key]!r} must be a directory "
+                                      f"(created if missing), but {str(p)!r} is a file")
+                break
 
 
 @dataclass
@@ -208,51 +239,78 @@ def run_backbones(exp: dict) -> list[str]:
     return list(dict.fromkeys(exp["client_backbones"])) if "client_backbones" in exp else [exp["backbone"]]
 
 
-def _arch_depth(arch: str) -> int:
-    """Number of blocks of a backbone architecture, from the registry's data (nothing is built)."""
+def _run_facts(exp: dict, resolved: "Resolved") -> RunFacts:
+    """What a run of ``exp`` is checked against, from static registries (nothing is built)."""
     from fedcore.backbones.registry import arch_info
+    from fedcore.partition import num_clients
 
-    return int(arch_info(arch)["depth"])
+    facts = dataset_facts(exp["dataset"])
+    backbones = []
+    for b in run_backbones(exp):
+        info = arch_info(resolved.backbones[b]["arch"])
+        backbones.append(BackboneFacts(b, info["arch"], int(info["depth"]), int(info["dim"])))
+    return RunFacts(tuple(backbones), exp["dataset"], facts.classes, num_clients(exp["partition"], facts.domains))
 
 
-def _check_method_params(name: str, exp: dict, resolved: "Resolved", where: str) -> None:
-    """Each run's method params pass the method's own checks, and every block index they name exists in each
-    of the run's backbones."""
+def _check_partition(name: str, exp: dict, files: str) -> None:
+    """The partition fits the dataset (classes, samples per client) and the clients' backbones, from static facts."""
+    from fedcore.partition import num_clients, spec_limits
+
+    facts = dataset_facts(exp["dataset"])
+    bad = spec_limits(exp["partition"], facts, exp["dataset"])
+    if bad:
+        raise ConfigError(f"config error in {files}: experiment {name!r}, {bad[0]}")
+    clients = num_clients(exp["partition"], facts.domains)
+    if "client_backbones" in exp and len(exp["client_backbones"]) != clients:
+        raise ConfigError(f"config error in {files}: experiment {name!r}, key 'client_backbones' has "
+                          f"{len(exp['client_backbones'])} entries: allowed one per client (the partition has "
+                          f"{clients} clients)")
+
+
+def _check_method_params(name: str, exp: dict, resolved: "Resolved", files: str) -> None:
+    """Each run's method params keep their method's declared constraints (``param_rules``: ranges, block indices
+    of every backbone of the run, limits from the dataset and partition) and pass its own ``check_params``."""
     from fedcore.methods import method_class
 
-    depths = {b: _arch_depth(resolved.backbones[b]["arch"]) for b in run_backbones(exp)}
-    backbone, depth = min(depths.items(), key=lambda kv: kv[1])
+    facts = _run_facts(exp, resolved)
     for m in exp["methods"]:
-        cls = method_class(resolved.base_method(m))
+        base = resolved.base_method(m)
+        cls = method_class(base)
         params = {**cls.defaults, **resolved.method_params(name, m)}
+        label = f"method {m!r}" if m == base else f"method {m!r} ({base})"
+        bad = violations(cls.param_rules, params, facts)
+        if bad:
+            raise ConfigError(f"config error in {files}: experiment {name!r}, {label}, {bad[0]}")
         try:
-            cls.check_params(params)  # the method's own constraints, here rather than inside a job
+            cls.check_params(params)  # what the rules cannot express, here rather than inside a job
         except ValueError as e:
-            raise ConfigError(f"config error in {where}: method {m!r}: {e}") from e
-        for key in cls.block_params:
-            value = params[key]
-            blocks = value if isinstance(value, (list, tuple)) else [value]
-            bad = [b for b in blocks if not isinstance(b, int) or not 0 <= b < depth]
-            if bad:
-                raise ConfigError(f"config error in {where}: method {m!r} has {key}={value}; backbone {backbone!r} "
-                                  f"({resolved.backbones[backbone]['arch']}) has blocks 0..{depth - 1}")
+            raise ConfigError(f"config error in {files}: experiment {name!r}, {label}: {e}") from e
 
 
 def load_config(config: dict, root: str | Path = ".") -> Resolved:
-    """Validate the top-level config, load the papers' experiments and map them onto the scale."""
-    from fedcore.methods import METHODS, method_class
-    from fedcore.partition import partition_id, validate_spec
-    from fedcore.data.registry import DATASETS
-
+    """Validate the top-level config, then load the papers' experiments at every scale the schema lists (an
+    error in any experiment file is reported whatever the chosen scale overrides); return the chosen scale's."""
     root = Path(root)
     schema = _schema(root)
     top = apply_defaults(dict(config))
-    validate(top, schema, "top", "the top-level config (config/config.yaml or --config)")
-
+    validate(top, schema, "top", TOP_WHERE)
+    _check_output_dirs(top)
     backbones_file = root / CONFIG_DIR / "backbones.yaml"
     backbones = read_yaml(backbones_file)
     for name, entry in backbones.items():
         validate(entry, schema, "backbone_entry", f"{backbones_file} ({name})")
+    resolved = _load_scale(top, root, schema, backbones)
+    for scale in schema["$defs"]["top"]["properties"]["scale"]["enum"]:
+        if scale != top["scale"]:
+            resolved._scales[scale] = _load_scale({**top, "scale": scale}, root, schema, backbones)
+    return resolved
+
+
+def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved:
+    """The papers' experiments, variants and reports mapped onto the scale ``top['scale']``, all checked."""
+    from fedcore.methods import METHODS, method_class
+    from fedcore.partition import partition_id, validate_spec
+    from fedcore.data.registry import DATASETS
 
     scale_file = root / CONFIG_DIR / "scales" / f"{top['scale']}.yaml"
     scale = read_yaml(scale_file)
@@ -296,7 +354,9 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
                 if unknown:
                     raise ConfigError(f"config error in {where}: method {m!r} has unknown param(s) {unknown}; "
                                       f"{resolved.base_method(m)} accepts {sorted(allowed)}")
-            _check_method_params(name, out, resolved, where)
+            files = f"{exp_file} after {scale_file}"
+            _check_partition(name, out, files)
+            _check_method_params(name, out, resolved, files)
         _load_report(root, paper, scale, scale_file, schema, resolved)
     for name in scale.get("experiments", {}):
         _check_name(name, resolved.experiments, str(scale_file), "experiments")
@@ -322,10 +382,6 @@ def _resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_fil
         for i, b in enumerate(exp["client_backbones"]):
             _check_name(b, scale["backbones"], f"experiment {name}", f"client_backbones[{i}]")
         out["client_backbones"] = [scale["backbones"][b] for b in exp["client_backbones"]]
-        clients = out["partition"].get("clients")
-        if clients is not None and clients != len(out["client_backbones"]):
-            raise ConfigError(f"config error in experiment {name} at client_backbones: {len(out['client_backbones'])} "
-                              f"backbones for partition.clients={clients}")
     missing = [k for k in ("rounds", "participation", "local_epochs", "batch_size") if k not in out["federation"]]
     if missing:
         raise ConfigError(f"experiment {name}: federation is missing {missing} after applying {scale_file}")

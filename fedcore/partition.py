@@ -28,6 +28,8 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
+from fedcore.constraints import Violation
+from fedcore.data.facts import DatasetFacts
 from fedcore.io import atomic_path, read_npz
 
 REQUIRED = "<required>"  # marker in SCHEMES for keys without a default (a string so SCHEMES stays JSON-able)
@@ -343,6 +345,90 @@ def _check_combination(out: dict) -> None:
                              "(sum over clients = 1, CIFAR-100 and SVHN)")
         if out["alpha"] != "random" and out["alpha_sum"] is not None:
             raise ValueError(f"partition key 'alpha_sum' only applies to alpha: random, got alpha={out['alpha']}")
+def num_clients(spec: dict, domains: int) -> int:
+    """How many clients a validated spec makes (scheme domain: ``clients_per_domain`` per domain)."""
+    return spec["clients_per_domain"] * domains if spec["scheme"] == "domain" else spec["clients"]
+
+
+def spec_limits(spec: dict, facts: DatasetFacts, dataset: str) -> list[Violation]:
+    """What a validated spec asks of the dataset that it cannot give (checked from its static facts, before
+    any data is built): too many classes per client, too few samples for a client. Sizes that are not known
+    statically (None in the facts) are not checked here; the partition rule checks them when it runs."""
+    scheme, out = spec["scheme"], []
+    train, test = facts.train, facts.test
+    if scheme == "domain":
+        return _domain_limits(spec, facts, dataset)
+    # an int (SGPT's scheme) or one count per client (FedHPL's class_subsets)
+    asked = spec.get("classes_per_client")
+    most_asked = max(asked) if isinstance(asked, list) else asked
+    if most_asked is not None and most_asked > facts.classes:
+        out.append(Violation("partition.classes_per_client", asked, f"1..{facts.classes}"
+                             + (" each" if isinstance(asked, list) else ""),
+                             f"dataset {dataset} has {facts.classes} classes"))
+        return out
+    if scheme == "classes_per_client":
+        out += _classes_per_client_limits(spec, facts, dataset)
+    elif scheme == "pathological":
+        for key, split in (("train_per_class", train), ("test_per_class", test)):
+            if split.min_class is not None and spec[key] > split.min_class:
+                what = key.split("_")[0]
+                out.append(Violation(f"partition.{key}", spec[key], f"0..{split.min_class}" if what == "test"
+                                     else f"1..{split.min_class}",
+                                     f"the smallest class of dataset {dataset} has {split.min_class} {what} samples"))
+    elif scheme in ("iid", "dirichlet") and train.size is not None:
+        per_client = max(spec.get("min_size", 1), 1)  # dirichlet redraws until every client has min_size
+        most = train.size // per_client
+        if spec["clients"] > most:
+            need = f"at least {per_client} samples each (min_size)" if per_client > 1 else "at least one sample each"
+            out.append(Violation("partition.clients", spec["clients"], f"1..{most}",
+                                 f"dataset {dataset} has {train.size} train samples, {need}"))
+    return out
+
+
+def _classes_per_client_limits(spec: dict, facts: DatasetFacts, dataset: str) -> list[Violation]:
+    """SGPT's scheme: clients * classes_per_client divisible by the class count, and no empty share."""
+    m, s, k = spec["clients"], spec["classes_per_client"], facts.classes
+    step = k // math.gcd(k, s)  # clients * s is a multiple of k iff clients is a multiple of step
+    if m % step:
+        return [Violation("partition.clients", m, f"multiples of {step}",
+                          f"clients * classes_per_client ({s}) must be a multiple of the {k} classes of "
+                          f"dataset {dataset}")]
+    # Each class is dealt to n = s*m/k clients with shares a_j / sum(a), a ~ U(0.4, 0.6): the smallest share
+    # of a class of N samples, int(N * 0.4 / (0.4 + 0.6 (n - 1))), is >= 1 for every draw iff
+    # 3 (n - 1) <= 2 (N - 1).
+    known = [(split.min_class, what) for what, split in (("train", facts.train), ("test", facts.test))
+             if split.min_class is not None]
+    if not known:
+        return []
+    n, what = min(known)
+    sharers = 1 + 2 * (n - 1) // 3
+    most = (sharers * k // s) // step * step
+    if m > most:
+        return [Violation("partition.clients", m, f"{step}..{most} in steps of {step}",
+                          f"with classes_per_client {s}, each of the {k} classes of dataset {dataset} is shared by "
+                          f"clients * {s} / {k} clients; beyond {sharers} the smallest class ({n} {what} samples) "
+                          f"can leave a client's share empty")]
+    return []
+
+
+def _domain_limits(spec: dict, facts: DatasetFacts, dataset: str) -> list[Violation]:
+    """Scheme domain: the dataset has domains, and every client's shard of the smallest domain is non-empty."""
+    k = spec["clients_per_domain"]
+    if facts.domains == 0:
+        return [Violation("partition.scheme", "domain", "a scheme without domains",
+                          f"dataset {dataset} has no domain labels")]
+    for what, split in (("train", facts.train), ("test", facts.test)):
+        n = split.min_domain
+        if n is not None and k > n:
+            return [Violation("partition.clients_per_domain", k, f"1..{n}",
+                              f"the smallest domain of dataset {dataset} has {n} {what} samples")]
+    f, n = spec["train_fraction_of_min"], facts.train.min_domain
+    if f is not None and n is not None and int(f * (n // k)) < 1:
+        least = 1 / (n // k)
+        return [Violation("partition.train_fraction_of_min", f, f"[{least:.4g}, 1]",
+                          f"every client keeps int(fraction * {n // k}) train samples: the smallest client of "
+                          f"dataset {dataset} has {n // k} ({n} in its smallest domain / {k} clients per domain)")]
+    return []
 
 
 def partition_id(spec: dict) -> str:

@@ -159,20 +159,28 @@ def _edit_mini(root: Path, edit) -> None:
     path.write_text(yaml.safe_dump(doc))
 
 
-@pytest.mark.parametrize("key, value", [("select_block", 4), ("group_blocks", [2, 7]), ("shared_blocks", [-1])])
-def test_block_indices_are_checked_against_the_backbone_depth(tmp_path, key, value):
+@pytest.mark.parametrize("key, value, allowed", [
+    ("select_block", 4, "0..3"),
+    ("select_block", 1.0, "a block index 0..3"),
+    ("group_blocks", [2, 7], "a list of distinct blocks in 0..3"),
+    ("shared_blocks", [-1], "a list of distinct blocks in 0..3"),
+    ("shared_blocks", [1, 1], "a list of distinct blocks in 0..3"),   # SGPTModel refused it inside the job
+])
+def test_block_indices_are_checked_against_the_backbone_depth(tmp_path, key, value, allowed):
     root = _copy_config(tmp_path)
     _edit_mini(root, lambda d: d["experiments"]["sgpt_office"]["method_params"]["sgpt"].update({key: value}))
-    with pytest.raises(ConfigError, match=rf"method 'sgpt' has {key}=.*backbone 'vit_mini' \(vit_mini\) has "
-                                          r"blocks 0\.\.3"):
+    with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, root)
+    assert (f"mini.yaml: experiment 'sgpt_office', method 'sgpt', key '{key}' = {value!r}: allowed {allowed} "
+            f"(backbone vit_mini has 4 blocks)") in str(e.value)
 
 
 def test_a_variants_block_indices_are_checked_too(tmp_path):
     root = _copy_config(tmp_path)  # sgpt_group_to3 puts group prompts on blocks 1..3: fine on 4 blocks ...
     load_config(DEFAULT, root)
     _edit_mini(root, lambda d: d["variants"]["sgpt_group_to3"]["params"].update({"group_blocks": [1, 2, 3, 4]}))
-    with pytest.raises(ConfigError, match=r"method 'sgpt_group_to3' has group_blocks=\[1, 2, 3, 4\]"):
+    with pytest.raises(ConfigError, match=r"method 'sgpt_group_to3' \(sgpt\), key 'group_blocks' = \[1, 2, 3, 4\]: "
+                                          r"allowed a list of distinct blocks in 0\.\.3"):
         load_config(DEFAULT, root)                 # ... but not on a fifth
 
 
@@ -186,6 +194,11 @@ def test_client_backbones_resolve_per_client_and_are_checked(tmp_path):
     assert cfg.experiments["sgpt_office"]["client_backbones"] == ["vit_mini"] * 4
     assert cfg.train_params("sgpt_office", "fedvpt")["client_backbones"] == [0, 0, 0, 0]
     assert "client_backbones" not in cfg.train_params("sgpt_five", "fedvpt")  # homogeneous runs keep their params
+    doc["experiments"]["sgpt_office"]["client_backbones"] = ["vit_b16_in21k"] * 3  # 4 domains, one client each
+    exp_file.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"experiment 'sgpt_office', key 'client_backbones' has 3 entries: allowed "
+                                          r"one per client \(the partition has 4 clients\)"):
+        load_config(DEFAULT, root)
     doc["experiments"]["sgpt_office"]["client_backbones"] = ["vit_b16_in21k", "vit_huge"]
     exp_file.write_text(yaml.safe_dump(doc))
     with pytest.raises(ConfigError, match=r"client_backbones\[1\]: 'vit_huge' is not one of"):
@@ -193,12 +206,111 @@ def test_client_backbones_resolve_per_client_and_are_checked(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, needle", [
-    ("groups", 0, r"method 'sgpt': method_params.sgpt.groups must be an integer >= 1, got 0"),
-    ("key_momentum", 1.5, r"method 'sgpt': method_params.sgpt.key_momentum must lie in \[0, 1\], got 1.5"),
+    ("groups", 0, "key 'groups' = 0: allowed 1..64 (backbone vit_mini has feature dim 64)"),
+    # more orthogonal keys than the embed dim: a bare error in orthogonal_keys, inside the job
+    ("groups", 65, "key 'groups' = 65: allowed 1..64 (backbone vit_mini has feature dim 64)"),
+    ("groups", "5", "key 'groups' = '5': allowed an integer 1..64 (backbone vit_mini has feature dim 64)"),
+    ("key_momentum", 1.5, "key 'key_momentum' = 1.5: allowed [0.0, 1.0]"),
+    ("schedule", "bcd2", "key 'schedule' = 'bcd2': allowed one of ['bcd', 'bcd_inv', 'joint']"),
+    # digits_five has 5 domains, 2 clients each at mini: Fig. 3's traced client must be one of them
+    ("trace_client", 10, "key 'trace_client' = 10: allowed 0..9 (the partition has 10 clients)"),
 ])
-def test_a_methods_own_param_checks_run_when_the_config_loads(tmp_path, key, value, needle):
+def test_a_methods_declared_constraints_run_when_the_config_loads(tmp_path, key, value, needle):
     """Values the schema accepts but the method cannot run with are refused before any job (not in round 1)."""
     root = _copy_config(tmp_path)
     _edit_mini(root, lambda d: d["experiments"]["sgpt_five"]["method_params"]["sgpt"].update({key: value}))
-    with pytest.raises(ConfigError, match=rf"sgpt_five.*{needle}"):
+    with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, root)
+    assert f"experiment 'sgpt_five', method 'sgpt', {needle}" in str(e.value)
+
+
+def test_a_methods_own_check_runs_for_what_rules_cannot_say(tmp_path):
+    root = _copy_config(tmp_path)
+    _edit_mini(root, lambda d: d["experiments"]["sgpt_five"]["method_params"]["sgpt"].update(
+        shared_blocks=[], group_blocks=[]))
+    with pytest.raises(ConfigError, match="experiment 'sgpt_five', method 'sgpt': method_params.sgpt: shared_blocks "
+                                          "and group_blocks cannot both be empty"):
+        load_config(DEFAULT, root)
+
+
+def test_every_method_param_declares_a_constraint():
+    from fedcore.methods import METHODS, method_class
+
+    for name in METHODS:
+        cls = method_class(name)
+        assert set(cls.param_rules) == set(cls.defaults), name
+
+
+@pytest.mark.parametrize("experiment, partition, needle", [
+    ("sgpt_c100_s10", {"classes_per_client": 12},
+     "key 'partition.classes_per_client' = 12: allowed 1..10 (dataset digits has 10 classes)"),
+    ("sgpt_c100_s10", {"clients": 7},
+     "key 'partition.clients' = 7: allowed multiples of 5 (clients * classes_per_client (2) must be a multiple of "
+     "the 10 classes of dataset digits)"),
+    # each class goes to clients*2/10 clients: beyond 20, a share of a 30-image test class can be empty
+    ("sgpt_c100_s10", {"clients": 1000},
+     "key 'partition.clients' = 1000: allowed 5..100 in steps of 5 (with classes_per_client 2, each of the 10 "
+     "classes of dataset digits is shared by clients * 2 / 10 clients; beyond 20 the smallest class (30 test "
+     "samples) can leave a client's share empty)"),
+    ("sgpt_five", {"clients_per_domain": 100},
+     "key 'partition.clients_per_domain' = 100: allowed 1..63 (the smallest domain of dataset digits_five has "
+     "63 test samples)"),
+    ("sgpt_domainnet", {"train_fraction_of_min": 0.005},
+     "key 'partition.train_fraction_of_min' = 0.005: allowed [0.006369, 1] (every client keeps "
+     "int(fraction * 157) train samples"),
+])
+def test_a_partition_the_dataset_cannot_fill_is_refused(tmp_path, experiment, partition, needle):
+    """Checked from the dataset's static facts (fedcore/data/facts.py): nothing is built."""
+    root = _copy_config(tmp_path)
+    _edit_mini(root, lambda d: d["experiments"][experiment]["partition"].update(partition))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert f"mini.yaml: experiment {experiment!r}, {needle}" in str(e.value)
+
+
+def test_a_domain_partition_needs_a_dataset_with_domains(tmp_path):
+    root = _copy_config(tmp_path)
+    _edit_mini(root, lambda d: d["datasets"].update(five_dataset="digits"))
+    with pytest.raises(ConfigError, match=r"experiment 'sgpt_five', key 'partition.scheme' = 'domain': allowed a "
+                                          r"scheme without domains \(dataset digits has no domain labels\)"):
+        load_config(DEFAULT, root)
+
+
+def test_every_experiment_file_is_checked_at_every_scale(tmp_path):
+    """mini overrides sgpt_c100_s10's methods and SGPT params; the file's own values are still checked (at paper
+    scale), whatever scale runs."""
+    root = _edit_experiments(tmp_path, lambda d: d["experiments"]["sgpt_c100_s10"]["methods"].append("fedavgg"))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert "paper.yaml" in str(e.value) and "methods[42]: 'fedavgg' is not one of" in str(e.value)
+    root = _edit_experiments(tmp_path / "b", lambda d: d["experiments"]["sgpt_c100_s10"]["method_params"]["sgpt"]
+                             .update(select_block=12))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert ("paper.yaml: experiment 'sgpt_c100_s10', method 'sgpt', key 'select_block' = 12: allowed 0..11 "
+            "(backbone vit_b16_in21k has 12 blocks)") in str(e.value)
+
+
+def test_command_line_values_are_checked_as_a_config_files_are():
+    """Snakemake reads `--config seeds=[-1]` as ['-1']: the message is the config file's, not the string's."""
+    from snakemake.cli import parse_config
+
+    cli = parse_config(["seeds=[-1]"])
+    assert cli == {"seeds": ["-1"]}
+    for given in (cli, {"seeds": [-1]}):
+        with pytest.raises(ConfigError, match=r"at seeds\[0\]: -1 is less than the minimum of 0"):
+            load_config({**DEFAULT, **given}, ROOT)
+    assert load_config({**DEFAULT, **parse_config(["seeds=[2,0]"])}, ROOT).seeds == [2, 0]
+
+
+def test_results_must_be_a_directory(tmp_path):
+    """`--config results=<a file>` used to end in a Snakemake traceback (NotADirectoryError)."""
+    from snakemake.cli import parse_config
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for value in (str(a_file), str(a_file / "sub")):
+        with pytest.raises(ConfigError, match=r"at results: .* must be a directory \(created if missing\), but "
+                                              rf"'{a_file}' is a file"):
+            load_config({**DEFAULT, **parse_config([f"results={value}"])}, ROOT)
+    assert load_config({**DEFAULT, "results": str(tmp_path / "new" / "results")}, ROOT).top["results"]

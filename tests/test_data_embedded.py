@@ -7,7 +7,8 @@ import pytest
 from fedcore.data import embedded
 from fedcore.data.arrays import load_bundle
 from fedcore.data.embedded import EMBEDDED_DATASETS, IMAGE_SIZE, STYLES, build_embedded
-from fedcore.data.registry import build_dataset, is_embedded, raw_files
+from fedcore.data.facts import FACTS, dataset_facts
+from fedcore.data.registry import DATASETS, build_dataset, is_embedded, raw_files
 
 NAMES = list(EMBEDDED_DATASETS)
 N_DIGITS = 1797
@@ -25,6 +26,21 @@ def test_fixed_splits_are_disjoint_and_cover_all_images():
     assert len(pre | tr | te) == N_DIGITS
     assert abs(len(pre) / N_DIGITS - 0.30) < 0.01
     assert abs(len(te) / (len(tr) + len(te)) - 0.25) < 0.01
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_static_facts_are_what_the_build_gives(bundles, name):
+    """The config checks partitions against fedcore/data/facts.py before any data is built: keep it true."""
+    b, facts = bundles[name], dataset_facts(name)
+    assert facts.classes == b.num_classes and facts.domains == EMBEDDED_DATASETS[name]
+    for split in ("train", "test"):
+        ds, f = getattr(b, split), getattr(facts, split)
+        assert (f.size, f.min_class) == (len(ds.y), np.bincount(ds.y).min())
+        assert f.min_domain == (None if ds.domain is None else np.bincount(ds.domain).min())
+
+
+def test_every_dataset_has_static_facts():
+    assert set(FACTS) == set(DATASETS)
 
 
 @pytest.mark.parametrize("name", NAMES)

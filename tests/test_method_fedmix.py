@@ -68,7 +68,7 @@ def test_setup_pools_every_clients_means_in_server_state():
     assert torch.allclose(state["fedmix_x"][2].float(), xs[1][0:2].mean(0), atol=2e-3)  # client 1's first mean
     downlink = m.strategy.configure(state, 1)  # every client receives the whole pool
     assert torch.equal(downlink["fedmix_x"], state["fedmix_x"]) and torch.equal(downlink["fedmix_y"], state["fedmix_y"])
-    with pytest.raises(ValueError, match="lam must lie in"):  # checked when the method is built, before setup
+    with pytest.raises(ValueError, match=r"key 'lam' = 1.0: allowed \[0.0, 1.0\)"):  # checked when built, before setup
         _method(lam=1.0)
 
 

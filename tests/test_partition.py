@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fedcore.data.facts import DatasetFacts, SplitFacts
 from fedcore.partition import (
     SCHEMES,
     TEST_MODES,
@@ -15,6 +16,7 @@ from fedcore.partition import (
     class_counts,
     make_partition,
     partition_id,
+    spec_limits,
     validate_spec,
 )
 from fedcore.partition_plots import plot_class_heatmap
@@ -402,3 +404,20 @@ def test_dirichlet_property(clients, alpha, frac, balance, seed):
     m_c = int(frac * N_TRAIN_PER_CLASS)
     assert all(np.bincount(TRAIN_Y[t], minlength=N_CLASSES).min() >= m_c for t in p.train)
     assert min(len(t) for t in p.train) >= 1
+
+
+def test_classes_per_client_limit_is_the_largest_count_that_never_empties_a_share():
+    """spec_limits' bound on clients (config time, from class sizes only) holds for every draw; one step more is
+    refused."""
+    facts = DatasetFacts(N_CLASSES, 0, SplitFacts(N_CLASSES * N_TRAIN_PER_CLASS, N_TRAIN_PER_CLASS),
+                         SplitFacts(N_CLASSES * N_TEST_PER_CLASS, N_TEST_PER_CLASS))
+    spec = validate_spec({"scheme": "classes_per_client", "clients": 70, "classes_per_client": 2})
+    [v] = spec_limits(spec, facts, "toy")  # 20 test images a class: at most 1 + 2 * 19 // 3 = 13 sharers
+    assert v.key == "partition.clients" and v.allowed == "5..65 in steps of 5"
+    spec = validate_spec({**spec, "clients": 65})  # 13 sharers: each class's smallest share is 20 * 0.4 / 7.6 > 1
+    assert spec_limits(spec, facts, "toy") == []
+    train_y, test_y = _labels(N_TRAIN_PER_CLASS), _labels(N_TEST_PER_CLASS, seed=1)
+    for seed in range(5):
+        p = make_partition(spec, seed, train_y, test_y)
+        for tr, te in zip(p.train, p.test):
+            assert len(np.unique(train_y[tr])) == len(np.unique(test_y[te])) == 2

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from fedcore.constraints import Constraint, violations
 from fedcore.engine.aggregation import weighted_average
 from fedcore.engine.data import Batch, check_augment
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, run_epochs
@@ -243,9 +244,9 @@ class Method:
     name: ClassVar[str] = "base"
     #: default method parameters; the experiment's ``method_params[name]`` overrides them
     defaults: ClassVar[dict[str, Any]] = {}
-    #: params that name backbone blocks (an int or a list of ints), checked against the backbone's depth
-    #: when the config is loaded, before any job runs
-    block_params: ClassVar[tuple[str, ...]] = ()
+    #: one constraint per param (fedcore.constraints: ranges, choices, block indices, limits that depend on the
+    #: run), checked for every run when the config loads, before any job; its context-free part again at build
+    param_rules: ClassVar[dict[str, Constraint]] = {}
     client_role: ClassVar[type[Client]] = Client
     strategy_role: ClassVar[type[Strategy]] = Strategy
     evaluator_role: ClassVar[type[Evaluator]] = Evaluator
@@ -261,6 +262,9 @@ class Method:
         self.num_classes = num_classes
         self.backbones = list(backbones) if isinstance(backbones, (list, tuple)) else [backbones]
         self.client_backbones = list(client_backbones) if client_backbones is not None else None
+        bad = violations(self.param_rules, self.params, None)
+        if bad:
+            raise ValueError(f"method_params.{self.name}: {bad[0]}")
         self.check_params(self.params)
         self.client = self.client_role(self)
         self.strategy = self.strategy_role(self)
@@ -275,8 +279,9 @@ class Method:
     # ---- the recipe ------------------------------------------------------------------------------
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
-        """Raise ValueError naming the key for invalid params (all keys present: defaults merged). Called when
-        the config is loaded, for every run, and again when the method is built (default: nothing to check)."""
+        """Raise ValueError naming the key for invalid params that ``param_rules`` cannot express (all keys
+        present: defaults merged). Called when the config is loaded, for every run, and again when the method
+        is built (default: nothing to check)."""
 
     def build(self, backbone: nn.Module) -> nn.Module:
         """The model holding every trainable tensor around ``backbone`` (shared, not copied)."""

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from fedcore.constraints import Int
 from fedcore.backbones.prompted import PromptedViT, init_prompts
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, run_epochs
@@ -160,6 +161,7 @@ class FedEM(Method):
 
     name = "fedem"
     defaults = {"components": 3, "num_prompts": 1}
+    param_rules = {"components": Int(1), "num_prompts": Int(1)}
     client_role = FedEMClient
     evaluator_role = FedEMEvaluator
 

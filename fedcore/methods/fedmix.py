@@ -6,6 +6,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fedcore.constraints import Int, Number
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import Client, FitResult, Payload, Strategy
 from fedcore.methods.base import PromptMethod
@@ -129,12 +130,6 @@ class FedMix(PromptMethod):
     name = "fedmix"
     prompt_mode = "shallow"
     defaults = {"num_prompts": 1, "lam": 0.1, "mean_batch": 0}
+    param_rules = {"num_prompts": Int(1), "lam": Number(0.0, 1.0, hi_open=True), "mean_batch": Int(0)}
     client_role = FedMixClient
     strategy_role = FedMixServer
-
-    @classmethod
-    def check_params(cls, params: dict) -> None:
-        """lam must lie in [0, 1)."""
-        lam = float(params["lam"])
-        if not 0.0 <= lam < 1.0:
-            raise ValueError(f"method_params.fedmix.lam must lie in [0, 1), got {lam}")

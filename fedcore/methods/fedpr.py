@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from fedcore.constraints import Flag, Int, Number
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer
 from fedcore.engine.roles import Client, FitResult, Payload, RoundInfo, Strategy
 from fedcore.methods.base import PromptMethod
@@ -139,5 +140,6 @@ class FedPR(PromptMethod):
     name = "fedpr"
     prompt_mode = "deep"
     defaults = {"num_prompts": 1, "keep_ratio": 0.8, "accumulate": False}
+    param_rules = {"num_prompts": Int(1), "keep_ratio": Number(0.0, 1.0, lo_open=True), "accumulate": Flag()}
     client_role = FedPRClient
     strategy_role = FedPRServer

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from fedcore.constraints import Int
 from fedcore.engine.optim import ClientData, TrainSettings, only_training, run_epochs
 from fedcore.engine.roles import Client, Payload
 from fedcore.methods.base import PersonalEvaluator, PromptMethod
@@ -70,5 +71,6 @@ class FedRep(PromptMethod):
     name = "fedrep"
     prompt_mode = "shallow"
     defaults = {"num_prompts": 1, "body_epochs": 1, "head_epochs": None}
+    param_rules = {"num_prompts": Int(1), "body_epochs": Int(0), "head_epochs": Int(0, optional=True)}
     client_role = FedRepClient
     evaluator_role = PersonalEvaluator

@@ -1,6 +1,7 @@
 """FedVPT: VPT-shallow prompts at the first block's input plus a linear head, averaged by FedAvg."""
 from __future__ import annotations
 
+from fedcore.constraints import Int
 from fedcore.methods.base import BatchableClient, PromptMethod
 
 
@@ -10,4 +11,5 @@ class FedVPT(PromptMethod):
     name = "fedvpt"
     prompt_mode = "shallow"
     defaults = {"num_prompts": 1}
+    param_rules = {"num_prompts": Int(1)}
     client_role = BatchableClient

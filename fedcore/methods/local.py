@@ -1,6 +1,7 @@
 """Local: every client trains its own prompts and head on its own data; nothing is communicated."""
 from __future__ import annotations
 
+from fedcore.constraints import Int
 from fedcore.methods.base import BatchableClient, EveryClient, PersonalEvaluator, PromptMethod
 
 
@@ -26,6 +27,7 @@ class Local(PromptMethod):
     name = "local"
     prompt_mode = "shallow"
     defaults = {"num_prompts": 1}
+    param_rules = {"num_prompts": Int(1)}
     client_role = LocalClient
     strategy_role = EveryClient
     evaluator_role = PersonalEvaluator

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from fedcore.constraints import Int, Number
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer
 from fedcore.engine.roles import Client, Evaluator, Payload
@@ -122,5 +123,7 @@ class PerFedAvg(PromptMethod):
     name = "per_fedavg"
     prompt_mode = "shallow"
     defaults = {"num_prompts": 1, "alpha": 0.01, "beta": None, "eval_steps": 1}
+    param_rules = {"num_prompts": Int(1), "alpha": Number(0.0), "beta": Number(0.0, lo_open=True, optional=True),
+                   "eval_steps": Int(0)}
     client_role = PerFedAvgClient
     evaluator_role = PerFedAvgEvaluator

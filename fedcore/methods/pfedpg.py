@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fedcore.constraints import Choice, Int, Number
 from fedcore.backbones.prompted import init_prompts
 from fedcore.engine.aggregation import normalized_weights
 from fedcore.engine.optim import ClientData
@@ -143,13 +144,8 @@ class PFedPG(PromptMethod):
     name = "pfedpg"
     prompt_mode = "shallow"
     defaults = {"num_prompts": 1, "num_bases": 8, "desc_dim": 32, "gen_lr": 1.0, "eval_prompts": "adapted"}
+    param_rules = {"num_prompts": Int(1), "num_bases": Int(1), "desc_dim": Int(1), "gen_lr": Number(0.0),
+                   "eval_prompts": Choice(("adapted", "generated"))}
     client_role = PFedPGClient
     strategy_role = PFedPGServer
     evaluator_role = PFedPGEvaluator
-
-    @classmethod
-    def check_params(cls, params: dict) -> None:
-        """``eval_prompts`` must be adapted|generated."""
-        if params["eval_prompts"] not in ("adapted", "generated"):
-            raise ValueError(f"method_params.pfedpg.eval_prompts must be adapted|generated, "
-                             f"got {params['eval_prompts']!r}")

@@ -35,6 +35,7 @@ from torch.nn import functional as F
 
 from fedcore.analysis.clustering import hungarian_accuracy
 from fedcore.backbones.prompted import PromptedViT, init_prompts
+from fedcore.constraints import EMBED_DIM, LAST_CLIENT, BlockIndex, BlockList, Choice, Flag, Int, Number
 from fedcore.engine.aggregation import weighted_average
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, only_training, run_epochs
@@ -254,8 +255,23 @@ class SGPT(Method):
         "schedule": "bcd",               # bcd | bcd_inv | joint (Table 3)
         "trace_client": 0,               # whose selection counts are logged every round (Fig. 3)
     }
-    #: params that name backbone blocks (checked against the backbone's depth when the config is loaded)
-    block_params = ("shared_blocks", "group_blocks", "select_block")
+    param_rules = {
+        "groups": Int(1, EMBED_DIM),     # G orthogonal keys fit in the embed dim
+        "shared_blocks": BlockList(),
+        "group_blocks": BlockList(),
+        "select_block": BlockIndex(),
+        "first_shared_tokens": Int(1),
+        "key_momentum": Number(0.0, 1.0),
+        "group_momentum": Number(0.0, 1.0),
+        "calibration": Flag(),
+        "calibration_eps": Number(0.0),
+        "key_aggregation": Choice(("counts", "samples")),
+        "key_fallback_count": Number(0.0),
+        "key_loss_weight": Number(0.0),
+        "batch_vote": Flag(),
+        "schedule": Choice(SCHEDULES),
+        "trace_client": Int(0, LAST_CLIENT),
+    }
     client_role = SGPTClient
     strategy_role = SGPTServer
     evaluator_role = SGPTEvaluator
@@ -267,18 +283,8 @@ class SGPT(Method):
 
     @classmethod
     def check_params(cls, params: dict) -> None:
-        """Schedule, key aggregation, momentum ranges, at least one group, at least one prompt set."""
-        p = params
-        if not isinstance(p["groups"], int) or p["groups"] < 1:
-            raise ValueError(f"method_params.sgpt.groups must be an integer >= 1, got {p['groups']!r}")
-        if p["schedule"] not in SCHEDULES:
-            raise ValueError(f"method_params.sgpt.schedule must be one of {SCHEDULES}, got {p['schedule']!r}")
-        if p["key_aggregation"] not in ("counts", "samples"):
-            raise ValueError(f"method_params.sgpt.key_aggregation must be counts|samples, got {p['key_aggregation']!r}")
-        for k in ("key_momentum", "group_momentum"):
-            if not 0.0 <= float(p[k]) <= 1.0:
-                raise ValueError(f"method_params.sgpt.{k} must lie in [0, 1], got {p[k]}")
-        if not p["shared_blocks"] and not p["group_blocks"]:
+        """At least one prompt set (each param's own range is in ``param_rules``)."""
+        if not params["shared_blocks"] and not params["group_blocks"]:
             raise ValueError("method_params.sgpt: shared_blocks and group_blocks cannot both be empty")
 
     def build(self, backbone: PromptedViT) -> nn.Module:
