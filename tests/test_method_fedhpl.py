@@ -151,9 +151,11 @@ def test_loss_is_ce_plus_gamma_kl_from_teacher_to_student_without_t_squared():
                                         ("upload", "all"), ("beta", "cosine"), ("keep_optimizer", "yes"),
                                         ("upload_correct_only", 1)])
 def test_bad_params_are_refused_naming_the_key(key, value):
-    with pytest.raises(ValueError, match=f"method_params.fedhpl.{key} must"):
-        FedHPL.check_params({**FedHPL.defaults, key: value})
-    FedHPL.check_params(dict(FedHPL.defaults))
+    from fedcore.constraints import violations
+
+    bad = violations(FedHPL.param_rules, {**FedHPL.defaults, key: value}, None)
+    assert [v.key for v in bad] == [key] and f"key '{key}'" in str(bad[0])
+    assert violations(FedHPL.param_rules, dict(FedHPL.defaults), None) == []
 
 
 # ---- runs ------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from torch.nn import functional as F
 
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.resnet import PromptedResNet
+from fedcore.constraints import Choice, Flag, Int, Number
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData
 from fedcore.engine.roles import Client, FitResult, Method, Payload, RoundContext, RoundInfo, Strategy
@@ -258,24 +259,18 @@ class FedHPL(Method):
     strategy_role = FedHPLServer
     evaluator_role = FedHPLEvaluator
 
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> None:
-        """Allowed values of the choices, positive counts and temperature, γ >= 0, booleans."""
-        p, where = params, "method_params.fedhpl"
-        for key, allowed in (("prompt_depth", DEPTHS), ("pad_init", PAD_INITS), ("upload", UPLOADS),
-                             ("beta", BETAS)):
-            if p[key] not in allowed:
-                raise ValueError(f"{where}.{key} must be one of {allowed}, got {p[key]!r}")
-        for key in ("num_prompts", "pad_width"):
-            if isinstance(p[key], bool) or not isinstance(p[key], int) or p[key] < 1:
-                raise ValueError(f"{where}.{key} must be an integer >= 1, got {p[key]!r}")
-        for key, low, strict in (("temperature", 0.0, True), ("gamma", 0.0, False)):
-            v = p[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (v <= low if strict else v < low):
-                raise ValueError(f"{where}.{key} must be a number {'>' if strict else '>='} {low}, got {v!r}")
-        for key in ("upload_correct_only", "keep_optimizer"):
-            if not isinstance(p[key], bool):
-                raise ValueError(f"{where}.{key} must be true or false, got {p[key]!r}")
+    param_rules = {
+        "prompt_depth": Choice(DEPTHS),
+        "num_prompts": Int(1),
+        "pad_width": Int(1),
+        "pad_init": Choice(PAD_INITS),
+        "temperature": Number(0.0, lo_open=True),
+        "gamma": Number(0.0),
+        "upload": Choice(UPLOADS),
+        "upload_correct_only": Flag(),
+        "beta": Choice(BETAS),
+        "keep_optimizer": Flag(),
+    }
 
     def build(self, backbone: nn.Module) -> nn.Module:
         """VPT prompts + head on a ViT, pixel padding + head on a ResNet; plus the teacher buffers."""
