@@ -6,7 +6,7 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -30,6 +30,15 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """torch.save `obj` to `path` atomically, through a file object: torch names the archive inside a .pt
+    after the file it is given, which would be the random temporary name and make equal runs' files differ."""
+    import torch  # here, not at the top: report jobs import this module and need no torch
+
+    with atomic_path(path, suffix=".pt") as tmp, open(tmp, "wb") as f:
+        torch.save(obj, f)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -18,7 +18,7 @@ from fedcore.engine.data import DeviceSplit, InputPipeline, cache_features
 from fedcore.engine.evaluate import EvalSets
 from fedcore.engine.loop import RunResult, RunSpec, run_federated
 from fedcore.engine.sampling import stream_seed
-from fedcore.io import atomic_path
+from fedcore.io import atomic_path, atomic_torch_save
 from fedcore.methods import method_class
 from fedcore.partition import Partition
 
@@ -140,9 +140,8 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
                                checkpoint_inputs=reads)
     if result is None:
         return None
-    with atomic_path(final_out, suffix=".pt") as tmp:
-        torch.save({"identity": identity, "global": result.global_state, "personal": result.personal_states,
-                    "server": result.server_state, "clients": result.client_states}, tmp)
+    atomic_torch_save({"identity": identity, "global": result.global_state, "personal": result.personal_states,
+                       "server": result.server_state, "clients": result.client_states}, final_out)
     with atomic_path(metrics_out, suffix=".parquet") as tmp:
         result.metrics.to_parquet(tmp, index=False)
     return result

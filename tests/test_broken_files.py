@@ -111,3 +111,17 @@ def test_partition_file(in_tmp):
     _truncate(path)
     with pytest.raises(ValueError, match=_expect(path, "BadZipFile", REBUILD.format("partition"))):
         Partition.load(path)
+
+
+def test_torch_files_are_byte_identical_across_writes(tmp_path) -> None:
+    """A .pt names its inner archive after the file torch.save is given; atomic writes must not leak their
+    random temporary name into the bytes (two equal runs gave different checkpoint and backbone files)."""
+    import torch
+
+    from fedcore.io import atomic_torch_save
+
+    obj = {"w": torch.arange(6.0).reshape(2, 3), "meta": {"round": 3}}
+    atomic_torch_save(obj, tmp_path / "a.pt")
+    atomic_torch_save(obj, tmp_path / "b" / "a.pt")
+    assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "b" / "a.pt").read_bytes()
+    assert torch.equal(torch.load(tmp_path / "a.pt")["w"], obj["w"])

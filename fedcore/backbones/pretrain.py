@@ -17,7 +17,7 @@ from fedcore.backbones.images import to_model_input
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import arch_spec, build_backbone, input_cfg
 from fedcore.data.arrays import DatasetBundle
-from fedcore.io import atomic_path
+from fedcore.io import atomic_torch_save
 
 WARMUP_FRACTION = 0.05  # linear warm-up share of all steps before the cosine decay
 
@@ -183,8 +183,7 @@ def pretrain_backbone(
         train_acc = _accuracy(model, head, x_all, y_all, info, 4 * batch_size)
         state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if out_path is not None:
-        with atomic_path(out_path, suffix=".pt") as tmp:
-            torch.save(state, tmp)
+        atomic_torch_save(state, out_path)
     return dict(
         arch=arch,
         epochs=epochs,

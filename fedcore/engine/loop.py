@@ -19,7 +19,7 @@ from fedcore.engine.optim import ClientData, TrainSettings, autocast_for
 from fedcore.engine.roles import FitResult, Method, Payload, RoundContext, RoundInfo, load_state, module_state
 from fedcore.engine.sampling import stream_seed
 from fedcore.engine.together import train_together
-from fedcore.io import atomic_path
+from fedcore.io import atomic_torch_save
 from fedcore.metrics import METRIC_COLUMNS, METRIC_DTYPES
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,7 @@ class Checkpoint:
         """Write the state atomically (a kill mid-write leaves the previous checkpoint intact)."""
         if self.path is None:
             return
-        with atomic_path(self.path, suffix=".pt") as tmp:
-            torch.save({**state, "fingerprint": self.fingerprint}, tmp)
+        atomic_torch_save({**state, "fingerprint": self.fingerprint}, self.path)
 
 
 def _to_device(state: dict, device: torch.device) -> dict:
