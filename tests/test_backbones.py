@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import timm
+from timm.models.vision_transformer import VisionTransformer
 import torch
 import torch.nn.functional as F
 
@@ -155,9 +156,12 @@ def test_collect_is_one_pass_of_stopped_forwards() -> None:
             assert torch.equal(got[b], pv.forward_tokens(x, p, mode="replace", stop_block=b))
         cls = pv.cls_features(x, [1, 3])
         assert torch.equal(cls[3], pv(x)) and torch.equal(cls[1], pv.forward_tokens(x, stop_block=1)[:, 0])
-        # timm's own intermediates API (final norm applied) agrees without prompts
-        ref = pv.vit.forward_intermediates(x, indices=[1, 3], norm=True, output_fmt="NLC",
-                                           intermediates_only=True, return_prefix_tokens=True)
+        # timm's own intermediates API (final norm applied) agrees without prompts (vit_mini is a PlainViT:
+        # the same weights in timm's class)
+        vit = VisionTransformer(img_size=16, patch_size=4, embed_dim=64, depth=4, num_heads=4, num_classes=0)
+        vit.load_state_dict(pv.vit.state_dict())
+        ref = vit.forward_intermediates(x, indices=[1, 3], norm=True, output_fmt="NLC",
+                                        intermediates_only=True, return_prefix_tokens=True)
         for b, (_, prefix) in zip((1, 3), ref):
             torch.testing.assert_close(cls[b], prefix[:, 0], atol=1e-6, rtol=0)
     for bad in ([], [4], [-1]):
