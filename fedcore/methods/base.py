@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fedcore.backbones.prompted import PromptedViT, init_prompts
+from fedcore.constraints import Int
 from fedcore.engine.roles import Client, Evaluator, Method, Payload, RoundInfo, Strategy
 
 __all__ = ["PromptClassifier", "PromptMethod", "BatchableClient", "EveryClient", "PersonalEvaluator"]
@@ -61,6 +62,15 @@ class BatchableClient(Client):
     """The default update (CE epochs, fresh optimiser, nothing random in the loss): clients may train together."""
 
     batchable = True
+
+
+class VPTMethod(PromptMethod):
+    """FedVPT's recipe (shallow or deep prompts of length ``num_prompts`` + head, FedAvg, clients trained
+    together); prompt length 1 by default, SGPT spec 7.15, to match SGPT's prompt budget."""
+
+    defaults = {"num_prompts": 1}
+    param_rules = {"num_prompts": Int(1)}
+    client_role = BatchableClient
 
 
 class EveryClient(Strategy):
