@@ -4,7 +4,7 @@ Why: importing timm costs a job ~2.4 s of CPU before its first step (timm.layers
 which imports torch._dynamo), about as much as ``import torch`` itself, and the mini-scale jobs use none of it.
 ``PlainViT`` has timm's parameter names, construction order, initialisation (the same random draws in the
 same order) and arithmetic, so a seed gives the same weights and a weight file loads in either class;
-``tests/test_registry.py`` checks both against timm bit for bit. Paper-scale ViTs still come from timm.
+``tests/test_plain_vit.py`` checks it against timm bit for bit. Paper-scale ViTs still come from timm.
 
 Covered: class token, learned position embedding, pre-norm blocks with fused QKV attention (SDPA) and a GELU
 MLP, final LayerNorm, token pooling, no dropout, no layer scale, no registers: what timm builds from
