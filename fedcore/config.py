@@ -329,11 +329,30 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
     backbones = read_yaml(backbones_file)
     for name, entry in backbones.items():
         validate(entry, schema, "backbone_entry", f"{backbones_file} ({name})")
+        _check_backbone_entry(name, entry, backbones_file)
     resolved = _load_scale(top, root, schema, backbones)
     for scale in schema["$defs"]["top"]["properties"]["scale"]["enum"]:
         if scale != top["scale"]:
             resolved._scales[scale] = _load_scale({**top, "scale": scale}, root, schema, backbones)
     return resolved
+
+
+def _check_backbone_entry(name: str, entry: dict, path: Path) -> None:
+    """A backbone entry names a registered arch and one of its weight tags (registry.PRETRAINED_CFGS), and its
+    `pretrain:` keys are ones its objective's pretraining accepts."""
+    from fedcore.backbones.pretrain import objective_keys
+    from fedcore.backbones.registry import pretrained_cfg
+
+    try:
+        pretrained_cfg(entry["arch"], entry.get("tag"))
+    except ValueError as e:
+        raise ConfigError(f"config error in {path} ({name}) at arch/tag: {e}") from e
+    settings = entry.get("pretrain", {})
+    objective = settings.get("objective", "supervised")
+    unknown = sorted(set(settings) - {"objective"} - set(objective_keys(objective)))
+    if unknown:
+        raise ConfigError(f"config error in {path} ({name}) at pretrain: {unknown} are not settings of the "
+                          f"{objective} objective; it takes {objective_keys(objective)}")
 
 
 def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved:

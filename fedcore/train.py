@@ -75,7 +75,8 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
               device: str = "auto", threads: int | None = None, progress: bool = True,
               stop_after_round: int | None = None, artifacts: dict[str, str | Path] | None = None,
               depends_on: Sequence[str | Path] = (),
-              extra_datasets: dict[str, str | Path] | None = None) -> RunResult | None:
+              extra_datasets: dict[str, str | Path] | None = None,
+              backbone_sha256: str | None | list[str | None] = None) -> RunResult | None:
     """Train one (experiment, method, seed) and write its metrics Parquet and final state atomically.
 
     ``params['method']`` names the registered method when the run's method is a variant of it
@@ -84,6 +85,8 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     then says which one client c uses. ``artifacts`` maps each per-sample artifact the method declares
     (``Method.artifacts``) to its file (rule ``features``). ``extra_datasets`` maps each other dataset bundle the
     method declares (``Method.extra_datasets``, e.g. FedMD's public data) to its .npz file.
+    ``backbone_sha256`` (one per weight file, as ``backbone_weights``) is the digest each file must have
+    (registry.check_sha256; None = not checked).
 
     The per-round checkpoint outlives the run: when Snakemake is interrupted while the job runs, the job
     still finishes, Snakemake then deletes its outputs as incomplete and reruns it, and the rerun rebuilds
@@ -98,6 +101,9 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     check_partition(part, len(bundle.train), len(bundle.test), str(partition_path))
     archs = backbone_arch if isinstance(backbone_arch, list) else [backbone_arch]
     weights = backbone_weights if isinstance(backbone_weights, list) else [backbone_weights]
+    digests = backbone_sha256 if isinstance(backbone_sha256, list) else [backbone_sha256] * len(weights)
+    if len(digests) != len(weights):
+        raise ValueError(f"{len(weights)} weight files but {len(digests)} sha256 digests: give one per file")
     client_backbones = params.get("client_backbones")
     cls = method_class(params.get("method", identity["method"]))
     own = cls.own_backbone({**cls.defaults, **params.get("method_params", {})})
@@ -105,7 +111,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
         if client_backbones is not None:
             raise ValueError(f"method {cls.name} trains its own backbone {own!r} on every client: drop "
                              f"client_backbones={client_backbones} from its experiment")
-        archs, weights = [own], [None]
+        archs, weights, digests = [own], [None], [None]
     if len(archs) != len(weights) or (len(archs) > 1 and client_backbones is None):
         raise ValueError(f"{len(archs)} backbone archs, {len(weights)} weight files and client_backbones="
                          f"{client_backbones}: several backbones need one weight file each and client_backbones")
@@ -118,8 +124,8 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     # pretraining head and leak its training into the run.
     seed_everything(stream_seed(seed, 0, 0, 0x1A17))
     # "arch" or "arch.tag" (config/backbones.yaml's weight tag: the input contract of the weights)
-    nets = [build_backbone(a.partition(".")[0], w, a.partition(".")[2] or None)
-            for a, w in zip(archs, weights, strict=True)]
+    nets = [build_backbone(a.partition(".")[0], w, a.partition(".")[2] or None, sha256=d)
+            for a, w, d in zip(archs, weights, digests, strict=True)]
     infos = [backbone_info(n) for n in nets]
     inputs = {(i["img_size"], i["mean"], i["std"]) for i in infos}
     if len(inputs) != 1:

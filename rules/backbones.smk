@@ -6,7 +6,7 @@ rule pretrain_backbone:
     input:
         # the clean embedded digits carry the held-out pretraining split (rendered in every style)
         dataset=dataset_file("digits"),
-        code=[str(FEDCORE / "backbones" / f) for f in ("pretrain.py", "registry.py", "vit.py", "resnet.py")],
+        code=lambda wc: pretrain_code(wc.backbone),
     output:
         f"{RESULTS}/backbones/{{backbone}}.pt",
     params:

@@ -2,7 +2,7 @@
 import glob as _glob
 
 import fedcore
-from fedcore.backbones.registry import arch_spec
+from fedcore.backbones.registry import UNPINNED, arch_spec
 from fedcore.config import run_backbones
 from fedcore.methods import method_class, method_source, method_sources
 
@@ -50,6 +50,30 @@ def backbone_file(name):
     if "pretrain" in entry:
         return f"{RESULTS}/backbones/{name}.pt"
     return f"{RESOURCES}/weights/{entry['weights']}"
+
+
+def pretrain_code(name):
+    """The code a pretraining job runs: the supervised objective's files, and pretrain_moco.py for moco."""
+    files = ["pretrain.py", "registry.py", "vit.py", "resnet.py"]
+    if CFG.backbones[name]["pretrain"].get("objective") == "moco":
+        files.append("pretrain_moco.py")
+    return [str(FEDCORE / "backbones" / f) for f in files]
+
+
+def weights_sha256(name):
+    """The sha256 a backbone's weight file must have: None when not checked (pipeline-pretrained files, entries
+    without a `sha256:` key), UNPINNED for `sha256: null` (refused until pinned)."""
+    entry = CFG.backbones[name]
+    if "pretrain" in entry or "sha256" not in entry:
+        return None
+    return entry["sha256"] or UNPINNED
+
+
+def run_sha256(experiment):
+    """The sha256 of each backbone file a run loads, in the order train_inputs lists the files."""
+    exp = CFG.experiments[experiment]
+    digests = [weights_sha256(b) for b in run_backbones(exp)]
+    return digests if "client_backbones" in exp else digests[0]
 
 
 def run_dir(exp, method, seed):

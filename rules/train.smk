@@ -13,6 +13,7 @@ rule train:
         cfg=lambda wc: CFG.train_params(wc.experiment, wc.method),
         identity=identity,
         arch=lambda wc: run_archs(wc.experiment),
+        sha256=lambda wc: run_sha256(wc.experiment),
         # outside the outputs, so that Snakemake keeps them when it reruns an interrupted job: the last
         # per-round state (kept after the run, to rebuild outputs Snakemake deleted as incomplete) and
         # the log of every attempt (Snakemake deletes the job's log before each one)

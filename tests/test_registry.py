@@ -56,7 +56,7 @@ def test_tables_are_consistent() -> None:
 # fedhpl spec §9 / Table 5 (ViT backbones incl. the final norm) and Table 7 (torchvision ResNets without fc)
 PAPER_PARAMS = {"vit_small_patch16_224": 21_665_664, "vit_base_patch16_224": 85_798_656,
                 "vit_large_patch16_224": 303_301_632, "resnet18": 11_176_512, "resnet34": 21_284_672,
-                "resnet50": 23_508_032}
+                "resnet50": 23_508_032, "vit_small_h12_patch16_224": 21_665_664}  # MoCo v3's ViT-S: 12 heads
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_SPECS))

@@ -1,7 +1,9 @@
-"""Supervised pretraining of a tiny backbone (ViT or ResNet) on a dataset's held-out `pretrain` split (mini scale)."""
+"""Supervised pretraining of a tiny backbone (ViT or ResNet) on a dataset's held-out `pretrain` split (mini scale);
+``pretrain`` dispatches on config/backbones.yaml's ``pretrain.objective`` (supervised here, moco in pretrain_moco)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import sys
 import time
@@ -200,3 +202,31 @@ def pretrain_backbone(
         device=str(device),
         threads=torch.get_num_threads() if threads is None else threads,
     )
+
+
+OBJECTIVES = ("supervised", "moco")
+# pretrain settings that are not config keys: the pipeline passes them (rule pretrain_backbone)
+_NOT_CONFIG = {"bundle", "arch", "tag", "seed", "out_path", "threads", "progress", "device"}
+
+
+def _pretrainer(objective: str):
+    """The pretraining function of `objective`."""
+    if objective == "supervised":
+        return pretrain_backbone
+    if objective == "moco":
+        from fedcore.backbones.pretrain_moco import pretrain_moco
+
+        return pretrain_moco
+    raise ValueError(f"pretrain objective must be one of {OBJECTIVES}, got {objective!r}")
+
+
+def objective_keys(objective: str) -> list[str]:
+    """The config keys (config/backbones.yaml ``pretrain:``) that `objective`'s pretraining accepts."""
+    return sorted(set(inspect.signature(_pretrainer(objective)).parameters) - _NOT_CONFIG)
+
+
+def pretrain(bundle: DatasetBundle, arch: str, tag: str | None = None, objective: str = "supervised",
+             **kwargs) -> dict:
+    """Pretrain `arch` on bundle.pretrain by `objective`: supervised (labels, ``pretrain_backbone``) or moco
+    (self-supervised MoCo v3, ``pretrain_moco.pretrain_moco``); the other keywords go to that function."""
+    return _pretrainer(objective)(bundle, arch, tag, **kwargs)

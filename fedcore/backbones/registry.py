@@ -58,6 +58,7 @@ class PretrainedCfg:
     std: tuple[float, float, float]
     source: str = ""  # where such weights come from (documentation and messages only)
     rule: str = ""  # the pipeline rule that writes such weight files; "" for a file the user supplies
+    layout: str = ""  # the key layout of such files when it is not the builder's own (WEIGHT_LAYOUTS)
 
 
 class WeightFileError(ValueError, RuntimeError):
@@ -94,6 +95,12 @@ def _timm_vit(name: str, dim: int, depth: int, default_tag: str) -> ArchSpec:
     return ArchSpec("vit", "timm", name, {}, depth=depth, dim=dim, patch_size=16, default_tag=default_tag)
 
 
+def _moco_vit(name: str, dim: int) -> ArchSpec:
+    """A timm ViT at 224 px as MoCo v3's ``vits.py`` builds it: 12 heads at every width (timm's ViT-S has 6)."""
+    return ArchSpec("vit", "timm", name, dict(num_heads=12), depth=12, dim=dim, patch_size=16,
+                    default_tag="mocov3_in1k")
+
+
 def _tv_resnet(name: str, dim: int) -> ArchSpec:
     """A torchvision ResNet, built headless (fc = Identity); its weight files keep `fc`, which is dropped."""
     return ArchSpec("resnet", "torchvision", name, {}, depth=4, dim=dim, default_tag="tv_in1k", classifier="fc.")
@@ -124,6 +131,9 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "vit_small_patch16_224": _timm_vit("vit_small_patch16_224", 384, 12, "augreg_in21k"),
     "vit_base_patch16_224": _timm_vit("vit_base_patch16_224", 768, 12, "orig_in21k"),
     "vit_large_patch16_224": _timm_vit("vit_large_patch16_224", 1024, 24, "orig_in21k"),
+    # MoCo v3's ViT-S (facebookresearch/moco-v3 vits.vit_small): timm's ViT-S/16 shapes with 12 heads of 32, so
+    # the same tensors as ViT-S but another function. Its ViT-B is timm's ViT-B/16 (12 heads already).
+    "vit_small_h12_patch16_224": _moco_vit("vit_small_patch16_224", 384),
     "resnet18": _tv_resnet("resnet18", 512),
     "resnet34": _tv_resnet("resnet34", 512),
     "resnet50": _tv_resnet("resnet50", 2048),
@@ -135,6 +145,9 @@ ARCH_SPECS: dict[str, ArchSpec] = {
 
 _DIGITS = "pretrained by the pipeline on the digits bundle's held-out pretrain split (rule pretrain_backbone)"
 _DIGITS_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS, rule="pretrain_backbone")
+# the same split without its labels, by MoCo v3 (pretrain_moco.py): the self-supervised twins of the tiny ViTs
+_DIGITS_MOCO_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS.replace("pretrained", "self-supervised (MoCo v3)"),
+                                 rule="pretrain_backbone")
 
 # no weight file: a method builds these archs and trains them from random weights; PFLlib's CIFAR/SVHN inputs
 _SCRATCH = "random init, trained from scratch by the method that names it (no weight file)"
@@ -145,14 +158,24 @@ _TIMM_VIT_TAGS = {  # the timm weight tags whose input contract we know (224 px,
     "vit_large_patch16_224": ("orig_in21k", "augreg_in21k", "augreg_in21k_ft_in1k"),
 }
 
+# MoCo v3 (Chen et al. 2021) self-supervised on ImageNet-1k: the official training checkpoints, converted on load
+_MOCOV3 = ("MoCo v3, ImageNet-1k, 300 epochs: the official checkpoint (facebookresearch/moco-v3 CONFIG.md), "
+           "state_dict keys module.base_encoder.*")
+_MOCOV3_CFG = PretrainedCfg(224, **IMAGENET_NORM, source=_MOCOV3, layout="mocov3")
+
 PRETRAINED_CFGS: dict[str, PretrainedCfg] = {
     **{f"{a}.digits": _DIGITS_CFG for a in ("vit_mini_s", "vit_mini", "vit_mini_l", "resnet_mini_18",
                                              "resnet_mini_34", "resnet_mini_50")},
+    **{f"{a}.digits_moco": _DIGITS_MOCO_CFG for a in ("vit_mini_s", "vit_mini", "vit_mini_l")},
     "vit_pfedpt.scratch": PretrainedCfg(32, **IN21K_NORM, source=_SCRATCH),
     "vit_pfedpt_mini.scratch": PretrainedCfg(16, **IN21K_NORM, source=_SCRATCH),
     **{f"{arch}.{tag}": PretrainedCfg(224, **IN21K_NORM,
                                       source="timm (Google's original in21k)" if tag == "orig_in21k" else "timm")
        for arch, tags in _TIMM_VIT_TAGS.items() for tag in tags},
+    "vit_small_h12_patch16_224.mocov3_in1k": _MOCOV3_CFG,
+    "vit_base_patch16_224.mocov3_in1k": _MOCOV3_CFG,
+    # MAE (He et al. 2022) self-supervised on ImageNet-1k: timm's copy of the official encoder, timm's keys
+    "vit_large_patch16_224.mae": PretrainedCfg(224, **IMAGENET_NORM, source="timm vit_large_patch16_224.mae"),
     **{f"resnet{d}.tv_in1k": PretrainedCfg(224, **IMAGENET_NORM, source="torchvision IMAGENET1K_V1")
        for d in (18, 34, 50)},
     "clip_vit_b16.openai": PretrainedCfg(224, **CLIP_NORM, source="open_clip ViT-B-16 openai (safetensors copy)"),
@@ -213,8 +236,63 @@ def input_cfg(arch: str, tag: str | None = None) -> dict:
 
 
 # ---- weight files -----------------------------------------------------------------------------------
-def _check_file(arch: str, weights: str | Path, cfg: PretrainedCfg) -> Path:
-    """Fail early, and say what to fix, when a configured weight file is absent or cannot be read."""
+UNPINNED = "unpinned"  # build_backbone's sha256 for an entry with `sha256: null`: refused until pinned
+
+
+def check_sha256(path: Path, arch: str, sha256: str | None) -> None:
+    """A weight file must have the sha256 its config/backbones.yaml entry pins; `sha256: null` is refused.
+
+    ``sha256`` is None (the entry has no ``sha256:`` key: not checked), ``UNPINNED`` (``sha256: null``), or the
+    pinned hex digest. As for the raw datasets (config/checksums.yaml), an unpinned file is never used: the
+    error prints its digest so that it can be pinned once the file has been checked against its source.
+    """
+    if sha256 is None:
+        return
+    from fedcore.data.download import file_digests
+
+    actual = file_digests(path, ("sha256",))["sha256"]
+    entry = f"the `sha256:` of the backbone entry with `weights: {path.name}` (arch {arch}) in config/backbones.yaml"
+    if sha256 == UNPINNED:
+        raise WeightFileError(f"{path} has no pinned checksum: its sha256 is {actual}; check the file against its "
+                              f"source and pin that digest as {entry}")
+    if actual != sha256.lower():
+        raise WeightFileError(f"{path} has sha256 {actual}, but {entry} pins {sha256}: the file is damaged or "
+                              f"another file; replace it (see the entry's `source:`) or fix the pin")
+
+
+def mocov3_to_timm(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A MoCo v3 training checkpoint's state dict -> the base encoder's timm ViT state dict.
+
+    The layout (facebookresearch/moco-v3 main_moco.py, moco/builder.py): ``module.base_encoder.*`` (the ViT,
+    whose ``head`` is the 3-layer projection MLP), ``module.momentum_encoder.*`` and ``module.predictor.*``.
+    As the repo's main_lincls.py does: keep base_encoder without its head, drop the rest. Keys may come with
+    or without the ``module.`` prefix (read_state_dict strips it). Any other key is an error, not a silent drop.
+    """
+    out, other = {}, []
+    for key, value in sd.items():
+        k = key.removeprefix("module.")
+        if k.startswith("base_encoder."):
+            k = k.removeprefix("base_encoder.")
+            if not k.startswith("head."):
+                out[k] = value
+        elif not k.startswith(("momentum_encoder.", "predictor.")):
+            other.append(key)
+    if not out or other:
+        raise ValueError("not a MoCo v3 checkpoint (expected state_dict keys module.base_encoder.*, "
+                         "module.momentum_encoder.*, module.predictor.* only): "
+                         + (f"{len(other)} other keys, e.g. {sorted(other)[:5]}" if other else
+                            f"no base_encoder keys; keys are e.g. {sorted(sd)[:5]}"))
+    return out
+
+
+# weight-file key layouts other than the builder's own: PretrainedCfg.layout -> converter to the builder's keys
+WEIGHT_LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]] = {
+    "mocov3": mocov3_to_timm,
+}
+
+
+def _check_file(arch: str, weights: str | Path, cfg: PretrainedCfg, sha256: str | None = None) -> Path:
+    """Fail early, and say what to fix, when a configured weight file is absent, unpinned or cannot be read."""
     path = Path(weights)
     if not path.is_file():
         raise FileNotFoundError(
@@ -222,6 +300,7 @@ def _check_file(arch: str, weights: str | Path, cfg: PretrainedCfg) -> Path:
             f"the backbone with `arch: {arch}` in config/backbones.yaml, or put the file there "
             f"(mini-scale weights such as vit_mini's are written by the pipeline's pretrain rule)"
         )
+    check_sha256(path, arch, sha256)
     _file_keys(path, arch, cfg)  # a truncated download fails here, named, not inside timm or open_clip
     return path
 
@@ -276,8 +355,15 @@ def _file_keys(path: Path, arch: str, cfg: PretrainedCfg) -> set[str]:
 
 def _load_strict(model: nn.Module, path: Path, arch: str, cfg: PretrainedCfg,
                  drop_prefix: str | None = None) -> None:
-    """Load `path` into `model` strictly (after dropping a classifier), naming the file in any error."""
+    """Load `path` into `model` strictly (after converting its layout and dropping a classifier), naming the
+    file in any error."""
     sd = _read_weights(path, arch, cfg)
+    if cfg.layout:
+        try:
+            sd = WEIGHT_LAYOUTS[cfg.layout](sd)
+        except ValueError as e:
+            raise WeightFileError(f"{path} does not have the {cfg.layout} key layout of its weight tag for arch "
+                                  f"{arch}{f' ({cfg.source})' if cfg.source else ''}: {e}") from e
     if drop_prefix:
         sd = {k: v for k, v in sd.items() if not k.startswith(drop_prefix)}
     own = model.state_dict()
@@ -300,6 +386,10 @@ def _build_timm(arch: str, spec: ArchSpec, path: Path | None, cfg: PretrainedCfg
 
     # The bare arch name (no tag) on purpose: with it timm drops any classifier the file keeps (an
     # in21k file's 21843-class head); our tag only sets the input contract.
+    if cfg.layout and path is not None:  # not timm's layout: build it bare, load the converted keys strictly
+        model = timm.create_model(spec.builder, pretrained=False, num_classes=0, **spec.kwargs)
+        _load_strict(model, path, arch, cfg)
+        return model
     overlay = dict(mean=cfg.mean, std=cfg.std)
     if path is not None:
         # custom_load only for Google's JAX .npz; explicit so that older timm cannot route a torch file there
@@ -401,16 +491,20 @@ def _attach_cfg(model: nn.Module, arch: str, tag: str, cfg: PretrainedCfg) -> No
     model.fedcore_tag = tag
 
 
-def build_backbone(arch: str, weights: str | Path | None = None, tag: str | None = None) -> nn.Module:
+def build_backbone(arch: str, weights: str | Path | None = None, tag: str | None = None,
+                   sha256: str | None = None) -> nn.Module:
     """Build `arch` headless, loading `weights` from a local file (strictly) if given; never downloads.
 
     `tag` (default: the arch's default tag) picks the input contract recorded on the model
-    (``model.pretrained_cfg``: input_size, mean, std), read back by ``backbone_info``/``input_cfg``.
+    (``model.pretrained_cfg``: input_size, mean, std), read back by ``backbone_info``/``input_cfg``, and the
+    file's key layout (``PretrainedCfg.layout``). `sha256`: the digest the file must have (``check_sha256``).
     """
     spec = arch_spec(arch)
     tag = spec.default_tag if tag is None else tag
     cfg = pretrained_cfg(arch, tag)
-    path = None if weights is None else _check_file(arch, weights, cfg)
+    if sha256 is not None and weights is None:
+        raise ValueError(f"a sha256 was given for arch {arch!r} but no weight file to check")
+    path = None if weights is None else _check_file(arch, weights, cfg, sha256)
     model = BUILDERS[spec.source](arch, spec, path, cfg)
     if spec.family == "vit":
         built = model.patch_embed.img_size
