@@ -50,6 +50,37 @@ def test_mini_runs_the_cifar10_analogue_only(mini) -> None:
         assert mini.train_params(name, "fedhpl")["federation"]["rounds"] == 20
         # "MoCo-v3 (1)" is read at the supervised twin's last round: it must be an evaluated round of this run
         twin_rounds = mini.train_params(name.replace("hpl_moco_", "hpl_"), "fedhpl")["federation"]["rounds"]
-        assert twin_rounds == 10 and mini.experiments[name]["evaluation"]["every"] == 1
+        assert twin_rounds == 10 and twin_rounds % mini.experiments[name]["evaluation"]["every"] == 0
     assert mini.experiments["hpl_moco_c10_a0p1_hetvit"]["client_backbones"] == [
         "vit_mini_s_moco", "vit_mini_moco", "vit_mini_l_moco", "vit_mini_moco", "vit_mini_s_moco"]
+
+
+def _acc_rows(experiment: str, rounds: int, value_at) -> list[dict]:
+    return [{"paper": "fedhpl", "experiment": experiment, "method": "fedhpl", "scale": "mini", "dataset": "digits",
+             "seed": 0, "round": r, "client": -1, "split": "global", "metric": "acc", "value": value_at(r)}
+            for r in range(5, rounds + 1, 5)]
+
+
+def test_table13_reads_the_ssl_run_at_the_supervised_budget_and_at_its_end(mini) -> None:
+    import pandas as pd
+
+    from fedcore.report.tables import build_table
+
+    rows = (_acc_rows("hpl_moco_c10_a0p5_homo", 20, lambda r: r / 100)        # 0.05, 0.10, 0.15, 0.20
+            + _acc_rows("hpl_c10_a0p5_homo", 10, lambda r: 0.9 + r / 1000))  # supervised: final 0.91
+    out = build_table(pd.DataFrame(rows), mini.tables["fedhpl_table13"], mini.report_view(), "mini",
+                      set(mini.implemented_methods()))
+    cell = out[out.row == "t13_a0p5"].set_index("column")
+    assert cell.loc["C10 Homog MoCo-v3 (1)", "ours"] == pytest.approx(10.0)     # round 10 of the 20-round run
+    assert cell.loc["C10 Homog MoCo-v3 (2)", "ours"] == pytest.approx(20.0)     # its final round
+    assert cell.loc["C10 Homog Supervised", "ours"] == pytest.approx(91.0)
+    assert cell.loc["C10 Homog MoCo-v3 (1)", "experiment"] == "hpl_moco_c10_a0p5_homo"
+    assert cell.loc["C10 Hetero MoCo-v3 (2)", "status"] == "missing run"
+    assert cell.loc["C100 Homog MoCo-v3 (1)", "status"] == "not configured"     # mini: the CIFAR-10 analogue only
+    paper = mini.at_scale("paper")
+    col = {c["label"]: c for c in paper.tables["fedhpl_table13"]["columns"]}
+    assert col["C100 Hetero MoCo-v3 (1)"]["round"] == col["SVHN Homog MoCo-v3 (1)"]["round"] == 15
+    for label, c in col.items():  # (1) = the supervised twin's budget at paper scale
+        if label.endswith("(1)"):
+            twin = c["experiment"].replace("hpl_moco_", "hpl_")
+            assert c["round"] == paper.train_params(twin, "fedhpl")["federation"]["rounds"], label
