@@ -501,6 +501,9 @@ def figure_experiments(fig: dict) -> list[str]:
         return list(dict.fromkeys(p["experiment"] for p in fig["panels"]))
     if fig["kind"] == "bars":
         return list(dict.fromkeys(c["experiment"] for c in fig["columns"]))
+    if fig["kind"] == "sweep":  # a point may read its own experiment (a setting of the data, not the method)
+        return list(dict.fromkeys([fig["experiment"]] + [p["experiment"] for s in fig["series"]
+                                                         for p in s["points"] if "experiment" in p]))
     return list(fig["experiments"]) if "experiments" in fig else [fig["experiment"]]
 
 
@@ -525,6 +528,10 @@ def figure_methods(fig: dict, experiments: dict[str, dict] | None = None) -> set
 
 def _check_figure(fig: dict, experiments: dict, where: str, runnable: set[str]) -> None:
     """A figure names known experiments and known methods/variants, and each setting at most once per series."""
+    for j, series in enumerate(fig.get("series", [])):
+        for k, point in enumerate(series["points"]):
+            if "experiment" in point:
+                _check_name(point["experiment"], experiments, where, f"series[{j}].points[{k}].experiment")
     for i, e in enumerate(figure_experiments(fig)):
         _check_name(e, experiments, where, f"experiments[{i}]" if "experiments" in fig else "experiment")
     for m in sorted(figure_methods(fig)):

@@ -164,12 +164,13 @@ def selection_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str
 
 def sweep_points(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
                  implemented: set[str]) -> pd.DataFrame:
-    """One row per (series, setting): value, method, y (in %), std, n_seeds and status."""
+    """One row per (series, setting): value, method, y (in %), std, n_seeds and status; a point reads its own
+    ``experiment`` when it names one (a setting of the data), else the figure's."""
     rows = []
     for i, series in enumerate(fig_cfg["series"]):
         for p in sorted(series["points"], key=lambda q: q["value"]):
-            cell = run_value(metrics, p["method"], fig_cfg["experiment"], series["metric"], experiments, scale,
-                             implemented)
+            cell = run_value(metrics, p["method"], p.get("experiment", fig_cfg["experiment"]), series["metric"],
+                             experiments, scale, implemented)
             rows.append({"series": i, "value": float(p["value"]), "method": p["method"], "y": cell["ours"],
                          "std": err(cell), "n_seeds": cell["n_seeds"],
                          "status": OK if has_value(cell) else cell["status"]})
