@@ -210,9 +210,13 @@ class FedMD(WholeModelMethod):
       CIFAR-10 for CIFAR-100 and SVHN, SVHN for CIFAR-10; mini: ``digits_public``, the held-out digits rendered
       inverted); its train split is the public data. ``public_subset`` rows (None: all) are drawn each round
       from (seed, round), FedMD's N_alignment (5000 in its CIFAR runs).
-    * Every phase uses the experiment's optimiser, fresh (FedMD's code used Adam 1e-3 for the digest); the
-      transfer learning runs a fixed number of epochs, not to convergence, and is not repeated on private data
-      beyond round 1's revisit.
+    * Every phase uses the experiment's optimiser, fresh (FedMD's code used Adam 1e-3 for the digest), and the
+      experiment's batch size (FedMD's CIFAR code: 128 for transfer learning, 256 for the digest, 5 for the
+      revisit). The transfer learning runs a fixed number of epochs, not to convergence (FedMD: early stopping).
+    * FedMD's code then trains each model on its private data (up to 25 epochs, early stopping on the private
+      test set) before the first communication; here round 1's revisit (``revisit_epochs``) is the only private
+      training before the first upload.
+    * The n_p public classes come after the n_c private ones (FedMD's code puts them first): labels only.
     * Logits for the upload: eval mode (BatchNorm statistics), no augmentation; the digest reads the consensus
       in float32 (the server averages in float64).
     """
