@@ -46,7 +46,8 @@ Choices where the paper (and FedHPL) is silent, recorded in DEVIATIONS.md (FedHP
 * The server draws its labels from the round's uploaders only (every drawn label has a teacher); the clients
   draw from every client's counts known to the server.
 * ``generator_batch_size`` 16 for the server's steps and the client's regulariser (HtFLlib: the local batch
-  size; spec §2: bs 16); G's BatchNorm always uses batch statistics (HtFLlib keeps G in train mode).
+  size; spec §2: bs 16); G's BatchNorm always uses batch statistics (HtFLlib keeps G in train mode; FedGen's
+  code puts G in eval mode on the clients, so their regulariser reads G's running statistics).
 """
 from __future__ import annotations
 
