@@ -15,7 +15,7 @@ from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
 from fedcore.data.embedded import build_embedded
 from fedcore.engine.data import DeviceSplit, InputPipeline
 from fedcore.engine.optim import ClientData, TrainSettings
-from fedcore.engine.roles import ExtraData, FitResult, RoundInfo
+from fedcore.engine.roles import ExtraData, FitResult, RoundInfo, payload_numbers
 from fedcore.methods.fedmd import FedMD, FedMDClient, FedMDServer, consensus_of, digest_loss
 from fedcore.train import train_run
 
@@ -68,7 +68,7 @@ def test_server_draws_a_seeded_subset_and_averages_the_uploads_on_it():
     new = server.aggregate(info, state, results)
     assert torch.allclose(new["consensus"], torch.stack(ups).mean(0), atol=1e-6)
     assert torch.equal(new["consensus_index"], idx)
-    assert new["numbers"].tolist() == [32 * (C + P + 1)] * 3            # (n_c + n_p + 1)·|D_p|
+    assert [payload_numbers(r.uplink) for r in results] == [32 * (C + P + 1)] * 3   # (n_c + n_p + 1)·|D_p|
     down = server.configure(new, 1)
     assert set(down) == {"consensus", "consensus_index", "upload_index"}
     bad = [FitResult(0, 10, {"logits": ups[0], "index": idx + 1}, {})]

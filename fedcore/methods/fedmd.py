@@ -14,7 +14,7 @@ from fedcore.data.facts import FACTS, dataset_facts
 from fedcore.engine.data import Batch, iterate_batches
 from fedcore.engine.loop import trains_batchnorm
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
-from fedcore.engine.roles import (Client, ExtraData, FitResult, Payload, RoundContext, RoundInfo, Strategy,
+from fedcore.engine.roles import (Client, ExtraData, FitResult, Payload, RoundInfo, Strategy,
                                   module_state)
 from fedcore.engine.sampling import sample_clients, stream_seed
 from fedcore.methods.base import PersonalEvaluator, WholeModelMethod
@@ -139,8 +139,7 @@ class FedMDServer(Strategy):
     def init_state(self, num_clients: int) -> Payload:
         """No consensus yet (round 1 has no digest)."""
         none = torch.zeros(0, dtype=torch.long)
-        return {"consensus": torch.zeros(0, self.method.head_classes), "consensus_index": none, "upload_index": none,
-                "numbers": torch.zeros(num_clients), "uploaded": torch.zeros(num_clients, dtype=torch.bool)}
+        return {"consensus": torch.zeros(0, self.method.head_classes), "consensus_index": none, "upload_index": none}
 
     def subset(self, info: RoundInfo) -> Tensor:
         """The public rows whose logits the round's clients upload: all, or ``public_subset`` of them drawn
@@ -170,21 +169,8 @@ class FedMDServer(Strategy):
         for r in results:
             if not torch.equal(r.uplink["index"].cpu(), index.cpu()):
                 raise RuntimeError(f"fedmd: client {r.cid} uploaded logits on other public rows than the round's")
-        numbers, uploaded = torch.zeros_like(state["numbers"]), torch.zeros_like(state["uploaded"])
-        for r in results:
-            numbers[r.cid] = float(sum(t.numel() for t in r.uplink.values()))
-            uploaded[r.cid] = True
         return {**state, "consensus": consensus_of([r.uplink["logits"].cpu() for r in results]),
-                "consensus_index": index.clone(), "numbers": numbers, "uploaded": uploaded}
-
-
-class FedMDEvaluator(PersonalEvaluator):
-    """Each client's own model, argmax over all n_c + n_p outputs; logs the numbers each client sent (Table 9)."""
-
-    def round_rows(self, ctx: RoundContext, model: nn.Module, server: Payload) -> list[tuple[int, str, str, float]]:
-        """``upload_numbers`` per uploading client."""
-        return [(k, "train", "upload_numbers", float(server["numbers"][k]))
-                for k in torch.nonzero(server["uploaded"]).flatten().tolist()]
+                "consensus_index": index.clone()}
 
 
 class FedMD(WholeModelMethod):
@@ -230,7 +216,7 @@ class FedMD(WholeModelMethod):
                    "revisit_epochs": Int(0, optional=True)}
     client_role = FedMDClient
     strategy_role = FedMDServer
-    evaluator_role = FedMDEvaluator
+    evaluator_role = PersonalEvaluator
 
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
