@@ -108,6 +108,10 @@ def test_parameter_tables_count_the_papers_models_exactly(both):
     assert hpl == [11_189_814, 21_297_974, 23_536_694, 11_235_984, 21_344_144, 23_721_104]
     assert [round(t / 2 ** 20, 3) for t in hpl] == [10.671, 20.311, 22.446, 10.715, 20.355, 22.622]
     assert totals[0] == 11_176_512 + 512 * 10 + 10                                     # FedGen R18: 10.664 M
+    # FedGen and FedTGP pool ResNet-50's features to 512 (HtFLlib's models): their rows are the paper's exactly
+    paper_gen = [10.664, 20.304, 22.424, 10.708, 20.348, 22.468]
+    assert [round(t / 2 ** 20, 3) for t in totals[:6]] == paper_gen                    # FedGen
+    assert [round(t / 2 ** 20, 3) for t in totals[18:24]] == paper_gen                 # FedTGP
 
 
 def test_per_class_figure_draws_each_run_and_lists_the_missing(both, tmp_path):
