@@ -17,7 +17,7 @@ from fedcore.methods.fedhpl import (FedHPL, FedHPLServer, beta_matrix, class_sum
 from fedcore.train import train_run
 
 C = 4  # classes of the synthetic bundle
-SERVER_KEYS = {"logits", "mask", "counts", "numbers", "uploaded"}
+SERVER_KEYS = {"logits", "mask", "counts", "uploaded"}
 
 
 # ---- server algebra --------------------------------------------------------------------------------
