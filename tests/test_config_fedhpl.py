@@ -101,6 +101,17 @@ def test_parameter_tables_count_the_papers_models_exactly(both):
     assert counts("fedhpl_table6") == [5002, 9994, 13322, 17674, 35338, 83978]      # shallow / deep, n = 3
     assert counts("fedhpl_table8") == [13302, 13302, 28662, 59472, 59472, 213072]    # 8,172 pad pixels + head
     assert counts("fedhpl_table5")[:3] == [21_669_514, 85_806_346, 303_311_882]     # entire ViT-S/B/L + head
+    # Table 7, FedHPL (224 px): the entire ResNet-18/34/50 + head + 8,172 pad pixels, 10 and 100 classes; the
+    # paper's M = 2^20 at 3 decimals (10.671 / 20.311 / 22.446 / 10.715 / 20.355 / 22.622) rounds these
+    totals = [model_counts(m)["total"] for m in both.param_count_models("fedhpl_table7")]
+    hpl = totals[-6:]
+    assert hpl == [11_189_814, 21_297_974, 23_536_694, 11_235_984, 21_344_144, 23_721_104]
+    assert [round(t / 2 ** 20, 3) for t in hpl] == [10.671, 20.311, 22.446, 10.715, 20.355, 22.622]
+    assert totals[0] == 11_176_512 + 512 * 10 + 10                                     # FedGen R18: 10.664 M
+    # FedGen and FedTGP pool ResNet-50's features to 512 (HtFLlib's models): their rows are the paper's exactly
+    paper_gen = [10.664, 20.304, 22.424, 10.708, 20.348, 22.468]
+    assert [round(t / 2 ** 20, 3) for t in totals[:6]] == paper_gen                    # FedGen
+    assert [round(t / 2 ** 20, 3) for t in totals[18:24]] == paper_gen                 # FedTGP
 
 
 def test_per_class_figure_draws_each_run_and_lists_the_missing(both, tmp_path):

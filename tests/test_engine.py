@@ -142,12 +142,19 @@ def test_each_baseline_trains_what_it_says(tiny_run_files, tmp_path, method):
     worst = m[(m.metric == "acc_worst")]["value"].to_numpy()
     mean = m[(m.metric == "acc_mean")]["value"].to_numpy()
     assert (worst <= mean + 1e-12).all()
+    sent = m[(m.metric == "upload_numbers") & (m.split == "train")].pivot(index="round", columns="client",
+                                                                          values="value")
+    total = m[m.metric == "upload_numbers_total"].set_index("round")["value"]
+    mean = m[m.metric == "upload_numbers_mean"].set_index("round")["value"]
+    assert list(sent.columns) == [0, 1, 2, 3] and (sent.sum(axis=1) == total).all() and (total / 4 == mean).all()
     state = torch.load(tmp_path / "final.pt", weights_only=False)
     if method == "local":
+        assert (total == 0).all()                                          # nothing leaves a Local client
         assert state["global"] == {} and set(state["personal"]) == {0, 1, 2, 3}
         assert (m[(m.split == "global") & (m.client >= 0)]["client"].nunique()) == 4  # per-client global acc
     else:
         names = set(state["global"])
+        assert (sent.iloc[0] >= sum(state["global"][n].numel() for n in names)).all()   # at least the model sent
         assert any(n.startswith("head.") for n in names)
         has_backbone = any(n.startswith("net.") for n in names)
         has_prompts = any(n.startswith("prompts.") for n in names)

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from conftest import identity, run_params
 from fedcore.backbones.registry import build_backbone, prompt_adapter
-from fedcore.engine.roles import FitResult, RoundInfo
+from fedcore.engine.roles import FitResult, RoundInfo, payload_numbers
 from fedcore.methods.base import kd_loss
 from fedcore.methods.fedhe import FedHE, FedHEServer, aggregate_logits, class_means
 from fedcore.train import train_run
@@ -76,8 +76,8 @@ def test_server_sends_every_client_the_same_global_logits_and_counts_what_was_se
     results = [FitResult(j, len(y), dict(zip(("logits", "counts"), class_means(x, y, C))), {})
                for j, (x, y) in enumerate(local)]
     state = server.aggregate(RoundInfo(1, 3, 1.0, 0), server.init_state(3), results)
-    assert set(state) == {"logits", "mask", "numbers", "uploaded"}           # logits and counts: no model tensor
-    assert state["numbers"].tolist() == [C * (C + 1)] * 3                   # n_c (n_c + 1)
+    assert set(state) == {"logits", "mask"}                                  # logits and counts: no model tensor
+    assert [payload_numbers(r.uplink) for r in results] == [C * (C + 1)] * 3   # n_c (n_c + 1)
     downs = [server.configure(state, k)["model"] for k in range(3)]
     assert all(set(d) == {"teacher", "teacher_mask"} and torch.equal(d["teacher"], downs[0]["teacher"]) for d in downs)
 

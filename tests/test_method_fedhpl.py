@@ -18,7 +18,7 @@ from fedcore.methods.fedhpl import (SHARED, FedHPL, FedHPLClient, FedHPLServer, 
 from fedcore.train import train_run
 
 C = 4  # classes of the synthetic bundle
-SERVER_KEYS = {"logits", "mask", "counts", "numbers", "uploaded"}
+SERVER_KEYS = {"logits", "mask", "counts", "uploaded"}
 
 
 # ---- server algebra --------------------------------------------------------------------------------

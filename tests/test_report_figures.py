@@ -260,3 +260,21 @@ def test_render_param_table(tmp_path: Path):
     assert back["trainable"].iloc[0] == 11_227_812 and back["diff"].iloc[0] == pytest.approx(227_812)
     with pytest.raises(ValueError, match="param_counts"):
         render_table(dict(cfg, columns=cfg["columns"][:1]), {"counts": str(path)}, *out, {"scale": "mini"})
+
+
+def test_render_param_table_grid_of_entire_models(tmp_path: Path):
+    counts = pd.DataFrame({"column": [0, 1, 2], "source": ["method"] * 3, "arch": ["r18", "r50", "r18"],
+                           "method": ["a", "a", "b"], "experiment": ["e"] * 3, "num_classes": [10] * 3,
+                           "trainable": [100, 200, 300], "total": [1_000, 2_000, 3_000],
+                           "status": ["ok"] * 3, "device": ["meta"] * 3})
+    path = tmp_path / "param_counts.csv"
+    counts.to_csv(path, index=False)
+    cols = [{"method": m, "architecture": a, "paper": p, "model": {}}
+            for m, a, p in (("A", "R18", 990), ("A", "R50", None), ("B", "R18", 3_000))]
+    cfg = {"kind": "param_count", "caption": "Table 7", "count": "total", "layout": "grid", "columns": cols}
+    out = [tmp_path / "t.md", tmp_path / "t.tex", tmp_path / "t.csv"]
+    render_table(cfg, {"counts": str(path)}, *out, {"scale": "mini"})
+    md = out[0].read_text(encoding="utf-8")
+    assert "| Method | R18 | R50 |" in md
+    assert "| A | 1,000 (paper 990; Δ +10) | 2,000 (paper —) |" in md and "| B | 3,000 (paper 3,000; Δ +0) | — |" in md
+    assert "frozen ones included" in md and r"\begin{tabular}{lrr}" in out[1].read_text(encoding="utf-8")

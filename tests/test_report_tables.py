@@ -179,3 +179,49 @@ def test_table3_checkmarks_and_table4_cluster_metric(mini):
     s50 = t4.loc[t4["column"] == "CIFAR-100 s=50"]
     assert (s50["status"] == MISSING_RUN).all()
     assert (t4.loc[t4["status"] == OK, "metric"] == "select_cluster_acc").all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixed-round columns and non-% units (FedHPL Tables 9, 10)
+# ----------------------------------------------------------------------------------------------
+
+def _comm_metrics() -> pd.DataFrame:
+    """Round r: total r * 2^20 numbers sent, mean per client r * 1000."""
+    rows = [{"paper": "sgpt", "experiment": "e", "method": "m", "scale": "paper", "dataset": "d", "seed": 0,
+             "round": r, "client": -1, "split": "train", "metric": name, "value": v}
+            for r in range(1, 6)
+            for name, v in (("upload_numbers_total", r * 2.0 ** 20), ("upload_numbers_mean", r * 1000.0))]
+    return pd.DataFrame(rows).astype({"seed": "int64", "round": "int64", "client": "int64", "value": "float64"})
+
+
+def _comm_table(columns: list[dict], **extra) -> dict:
+    return {"caption": "comm", "rows": ["m"], "columns": columns, "paper": {"m": [1.0] * len(columns)}, **extra}
+
+
+def test_fixed_round_columns_read_one_round_in_the_metrics_unit():
+    exps = {"e": {"methods": ["m"], "report": {"window": "last", "rounds": 3}, "rounds": 5}}
+    cols = [{"label": "first", "experiment": "e", "metric": "upload_total_M", "round": "first"},
+            {"label": "last", "experiment": "e", "metric": "upload_total_M", "round": "last"},
+            {"label": "r2", "experiment": "e", "metric": "upload_total_M", "round": 2},
+            {"label": "r9", "experiment": "e", "metric": "upload_total_M", "round": 9},
+            {"label": "window", "experiment": "e", "metric": "upload_numbers"}]
+    t = build_table(_comm_metrics(), _comm_table(cols), exps, "paper", {"m"})
+    assert t["ours"].iloc[:3].tolist() == [1.0, 5.0, 2.0]                  # M = 2^20 numbers, not %
+    assert t["status"].iloc[3] == "missing metric" and math.isnan(t["ours"].iloc[3])  # the run has no round 9
+    assert t["ours"].iloc[4] == pytest.approx(4000.0)                        # mean of the last 3 rounds, unit 1
+    assert t["window"].tolist()[:3] == ["first round", "final round", "round 2"]
+    assert t["diff"].iloc[:3].tolist() == [0.0, 4.0, 1.0]
+    md = render_markdown(t, _comm_table(cols, decimals=3, best="none"), "paper")
+    assert "1.000" in md and "5.000" in md and "**" not in md.split("\n", 2)[2]   # no bold cell
+    assert "value at the first round" in md and "in the table's units" in md
+    with pytest.raises(ValueError, match="round 0"):
+        build_table(_comm_metrics(), _comm_table([{**cols[0], "round": 0}]), exps, "paper", {"m"})
+
+
+def test_best_min_bolds_the_lowest():
+    exps = {"e": {"methods": ["m", "n"], "report": {"window": "last", "rounds": 1}}}
+    metrics = pd.concat([_comm_metrics(), _comm_metrics().assign(method="n", value=lambda d: d.value * 2)])
+    cfg = {"caption": "c", "rows": ["m", "n"], "columns": [{"label": "x", "experiment": "e",
+                                                             "metric": "upload_numbers"}], "paper": {}, "best": "min"}
+    md = render_markdown(build_table(metrics, cfg, exps, "paper", {"m", "n"}), cfg, "paper")
+    assert "**5000.00**" in md and "**10000.00**" not in md and "(the lowest)" in md

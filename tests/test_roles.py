@@ -278,3 +278,14 @@ def test_a_frozen_resnet_trains_pixel_padding_prompts_and_head(tiny_run_files, t
     after = built[0].state_dict()  # weights and BatchNorm statistics: unchanged by training and evaluation
     assert set(after) == set(loaded) and all(torch.equal(after[k].cpu(), v) for k, v in loaded.items())
 
+
+
+def test_payload_numbers_counts_tensor_elements_and_scalars_through_nesting():
+    from fedcore.engine.roles import payload_numbers
+
+    payload = {"logits": torch.zeros(7, 11), "labels": torch.zeros(7, dtype=torch.long), "n": 3, "w": 0.5,
+               "nested": {"a": [torch.ones(2, 3), 1.0], "b": None, "name": "x"}, "flag": True}
+    assert payload_numbers(payload) == 77 + 7 + 1 + 1 + 6 + 1 + 1
+    assert payload_numbers({}) == 0
+    with pytest.raises(TypeError, match="a payload holds a object"):
+        payload_numbers({"x": object()})

@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
 from fedcore.engine.evaluate import EvalSets, evaluate_round
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for
-from fedcore.engine.roles import FitResult, Method, Payload, RoundContext, RoundInfo, load_state, module_state
+from fedcore.engine.roles import (FitResult, Method, Payload, RoundContext, RoundInfo, load_state, module_state,
+                                 payload_numbers)
 from fedcore.engine.sampling import stream_seed
 from fedcore.engine.together import has_attention, train_together
 from fedcore.io import atomic_torch_save
@@ -184,6 +185,7 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
             clients[res.cid] = new_state
             results.append(res)
             state["rows"].append((r, res.cid, "train", "loss", float(res.stats.get("loss", float("nan")))))
+        state["rows"].extend(_upload_rows(r, results))
         state["server"] = strategy.aggregate(info, state["server"], results)
         losses = [float(res.stats.get("loss", float("nan"))) for res in results]
         state["rows"].append((r, -1, "train", "loss", float(sum(losses) / len(losses))))
@@ -210,6 +212,18 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
         if stop_after_round is not None and r >= stop_after_round and r < rounds:
             return None
     return RunResult(metrics_frame(state["rows"], spec.identity), state["server"], clients)
+
+
+def _upload_rows(r: int, results: list[FitResult]) -> list[tuple[int, int, str, str, float]]:
+    """The numbers each client sent this round (``upload_numbers``), their total and mean over the round's
+    clients: the communication cost of any method (FedHPL Tables 9, 10), counted from the uplinks themselves."""
+    sent = [(res.cid, float(payload_numbers(res.uplink))) for res in results]
+    rows = [(r, c, "train", "upload_numbers", n) for c, n in sent]
+    if sent:
+        total = sum(n for _, n in sent)
+        rows += [(r, -1, "train", "upload_numbers_total", total), (r, -1, "train", "upload_numbers_mean",
+                                                                    total / len(sent))]
+    return rows
 
 
 def _client_data(c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSplit, pipeline: InputPipeline,

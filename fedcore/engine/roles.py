@@ -88,6 +88,22 @@ class RoundContext:
 
 
 # ---- module state ---------------------------------------------------------------------------------
+def payload_numbers(payload: Any) -> int:
+    """How many numbers a payload carries: every tensor's elements, one per Python number, nested dicts and
+    lists counted through (strings and None carry none). What a client sends, whatever the method."""
+    if isinstance(payload, Tensor):
+        return payload.numel()
+    if payload is None or isinstance(payload, str):
+        return 0
+    if isinstance(payload, (int, float)):
+        return 1
+    if isinstance(payload, dict):
+        return sum(payload_numbers(v) for v in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return sum(payload_numbers(v) for v in payload)
+    raise TypeError(f"a payload holds a {type(payload).__name__}; expected tensors, numbers, dicts or lists")
+
+
 def state_keys(model: nn.Module) -> list[str]:
     """Everything a client's copy of ``model`` holds: its trainable parameters, then its persistent buffers
     (e.g. a trained CNN's BatchNorm statistics) except those inside a wholly frozen module (a frozen backbone)."""

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from fedcore.constraints import Choice, Number
 from fedcore.engine.optim import ClientData
-from fedcore.engine.roles import FitResult, Payload, RoundContext, RoundInfo, Strategy
+from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy
 from fedcore.methods.base import (TEACHER, TEACHER_MASK, DistillClient, PersonalEvaluator, WholeModelMethod,
                                   per_class_sums, with_teacher)
 
@@ -51,8 +51,7 @@ class FedHEServer(Strategy):
     def init_state(self, num_clients: int) -> Payload:
         """No global logits yet (round 1 is CE only)."""
         c = self.method.num_classes
-        return {"logits": torch.zeros(c, c), "mask": torch.zeros(c), "numbers": torch.zeros(num_clients),
-                "uploaded": torch.zeros(num_clients, dtype=torch.bool)}
+        return {"logits": torch.zeros(c, c), "mask": torch.zeros(c)}
 
     def configure(self, state: Payload, cid: int) -> Payload:
         """The global per-class logits and which classes have one."""
@@ -65,20 +64,7 @@ class FedHEServer(Strategy):
         means = torch.stack([r.uplink["logits"].cpu() for r in results])
         counts = torch.stack([r.uplink["counts"].cpu() for r in results])
         logits, mask = aggregate_logits(means, counts, self.params["weighting"])
-        numbers, uploaded = torch.zeros_like(state["numbers"]), torch.zeros_like(state["uploaded"])
-        for r in results:
-            numbers[r.cid] = float(sum(t.numel() for t in r.uplink.values()))
-            uploaded[r.cid] = True
-        return {"logits": logits, "mask": mask, "numbers": numbers, "uploaded": uploaded}
-
-
-class FedHEEvaluator(PersonalEvaluator):
-    """Each client's own model; logs how many numbers each client sent this round (Table 9)."""
-
-    def round_rows(self, ctx: RoundContext, model: nn.Module, server: Payload) -> list[tuple[int, str, str, float]]:
-        """``upload_numbers`` per uploading client."""
-        return [(k, "train", "upload_numbers", float(server["numbers"][k]))
-                for k in torch.nonzero(server["uploaded"]).flatten().tolist()]
+        return {"logits": logits, "mask": mask}
 
 
 class FedHE(WholeModelMethod):
@@ -111,7 +97,7 @@ class FedHE(WholeModelMethod):
                    "weighting": Choice(WEIGHTINGS)}
     client_role = FedHEClient
     strategy_role = FedHEServer
-    evaluator_role = FedHEEvaluator
+    evaluator_role = PersonalEvaluator
 
     def build(self, backbone: nn.Module) -> nn.Module:
         """The entire-model classifier plus the buffers that carry the global logits."""

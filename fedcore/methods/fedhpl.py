@@ -27,7 +27,8 @@ or β ≡ 1 (``beta: uniform``, Fig. 3(c)'s average aggregation). p̃_{k,c} = Σ
 |D̃_{j,c}|), with S_{j,c} the sum of client j's uploaded class-c logits and |D̃_{j,c}| their number (§8.1); the
 "All" and "Average" uploads give the same sums. The server state holds these logits and the round's upload
 counts only: no model tensor ever leaves a client (except with +P / +H, below). Every round the counts are
-logged (Table 10: ``upload_count`` = |D̃_k|, ``upload_count_class<c>``, ``upload_numbers`` = floats sent).
+logged (Table 10: ``upload_count`` = |D̃_k| and ``upload_count_class<c>``; the engine logs ``upload_numbers``,
+the numbers sent).
 
 Evaluation (§3.3): each client's own model (``personalized``); with ``evaluation: {global_test:
 official_test, per_class: true}`` every client is scored on the full test set, per client (mean, min, max
@@ -148,13 +149,6 @@ def group_averages(results: Sequence[FitResult]) -> dict[str, State]:
             for sig, rs in groups.items()}
 
 
-def _numbers(payload: Any) -> int:
-    """How many numbers a (possibly nested) payload holds."""
-    if isinstance(payload, dict):
-        return sum(_numbers(v) for v in payload.values())
-    return int(payload.numel())
-
-
 # ---- roles --------------------------------------------------------------------------------------------
 class FedHPLClient(DistillClient):
     """CE + logit distillation on prompts and head; uploads per-class knowledge (logits), and no tensor of its
@@ -200,8 +194,7 @@ class FedHPLServer(Strategy):
         """No teacher yet (round 1 is CE only), no uploads; +P / +H: no group average yet."""
         c = self.method.num_classes
         state = {"logits": torch.zeros(num_clients, c, c), "mask": torch.zeros(num_clients, c),
-                 "counts": torch.zeros(num_clients, c), "numbers": torch.zeros(num_clients),
-                 "uploaded": torch.zeros(num_clients, dtype=torch.bool)}
+                 "counts": torch.zeros(num_clients, c), "uploaded": torch.zeros(num_clients, dtype=torch.bool)}
         return {**state, SHARED: {}} if self.sharing else state
 
     @property
@@ -233,14 +226,12 @@ class FedHPLServer(Strategy):
         k, c = state["logits"].shape[0], self.method.num_classes
         sums = torch.zeros(k, c, c, dtype=torch.float64)
         counts = torch.zeros(k, c, dtype=torch.float64)
-        numbers, uploaded = torch.zeros(k), torch.zeros(k, dtype=torch.bool)
+        uploaded = torch.zeros(k, dtype=torch.bool)
         for r in results:
             s, n = class_sums(r.uplink, c)
             sums[r.cid], counts[r.cid], uploaded[r.cid] = s.cpu(), n.cpu(), True
-            numbers[r.cid] = float(_numbers(r.uplink))
         logits, mask = global_logits(sums, counts, self.beta(k))
-        new = {"logits": logits.float(), "mask": mask.float(), "counts": counts.float(), "numbers": numbers,
-               "uploaded": uploaded}
+        new = {"logits": logits.float(), "mask": mask.float(), "counts": counts.float(), "uploaded": uploaded}
         if self.sharing:   # groups without a client this round keep their previous average
             new[SHARED] = {**state[SHARED], **group_averages(results)}
         return new
@@ -261,12 +252,11 @@ class FedHPLEvaluator(PersonalEvaluator):
         self.method.client.start(model, cid, client_state or {}, down)
 
     def round_rows(self, ctx: RoundContext, model: nn.Module, server: Payload) -> list[tuple[int, str, str, float]]:
-        """|D̃_k|, |D̃_{k,c}| and the number of floats sent, per uploading client."""
+        """|D̃_k| and |D̃_{k,c}| per uploading client."""
         rows: list[tuple[int, str, str, float]] = []
         for k in torch.nonzero(server["uploaded"]).flatten().tolist():
             counts = server["counts"][k].tolist()
             rows.append((k, "train", "upload_count", float(sum(counts))))
-            rows.append((k, "train", "upload_numbers", float(server["numbers"][k])))
             rows += [(k, "train", f"upload_count_class{c}", float(n)) for c, n in enumerate(counts)]
         return rows
 

@@ -31,9 +31,11 @@ def build_param_table(counts: pd.DataFrame, table_cfg: dict) -> pd.DataFrame:
         raise ValueError(f"param counts hold columns {list(counts['column'])}, the table has {len(cols)}: "
                          "rerun the param_counts probe")
     rows = []
+    which = table_cfg.get("count", "trainable")   # FedHPL Table 7 counts entire models
     for j, (col, cnt) in enumerate(zip(cols, counts.itertuples())):
         paper = math.nan if col.get("paper") is None else float(col["paper"])
-        ours = float(cnt.trainable) if cnt.status == OK and not pd.isna(cnt.trainable) else math.nan
+        value = getattr(cnt, which)
+        ours = float(value) if cnt.status == OK and not pd.isna(value) else math.nan
         rows.append({"column": j, "method": col["method"], "architecture": col["architecture"],
                      "source": cnt.source, "arch": cnt.arch, "trainable": ours,
                      "total": float(cnt.total) if not pd.isna(cnt.total) else math.nan, "paper": paper,
@@ -70,16 +72,42 @@ def _best(table: pd.DataFrame) -> list[bool]:
     return [bool(not pd.isna(v) and v == best) for v in ok]
 
 
-def footnotes(table: pd.DataFrame) -> list[str]:
+GRID_NOTE = ("Counted on models built with random weights on the meta device (no training, no weight files), the "
+             "paper's architectures at every scale, each method's paper-scale parameters; every parameter of the "
+             "model (frozen ones included). Δ = ours − paper.")
+
+
+def footnotes(table: pd.DataFrame, grid: bool = False) -> list[str]:
     """Notes under the table."""
-    notes = [NOTE]
+    notes = [GRID_NOTE if grid else NOTE]
     if (table["status"] != OK).any():
         notes.append("not implemented = fedcore has no such method yet, so its model cannot be built.")
     return notes
 
 
+def _grid_cells(table: pd.DataFrame) -> tuple[list[str], list[str], list[list[str]]]:
+    """Layout ``grid`` (FedHPL Table 7): rows = `method`, columns = `architecture`, each cell 'ours (paper; Δ)' as
+    exact counts (the paper's converted from its rounded unit, so |Δ| up to half that unit is rounding)."""
+    rows = list(dict.fromkeys(table["method"]))
+    cols = list(dict.fromkeys(table["architecture"]))
+    grid = [[NO_PAPER] * len(cols) for _ in rows]
+    for r in table.itertuples():
+        ours = f"{int(r.trainable):,}" if r.status == OK else r.status
+        paper = NO_PAPER if pd.isna(r.paper) else f"{round(r.paper):,}; Δ {r.diff:+,.0f}"
+        grid[rows.index(r.method)][cols.index(r.architecture)] = f"{ours} (paper {paper})"
+    return rows, cols, grid
+
+
 def render_param_markdown(table: pd.DataFrame, table_cfg: dict) -> str:
-    """The paper's transposed layout as a pipe table."""
+    """The paper's transposed layout (or the ``grid`` layout) as a pipe table."""
+    if table_cfg.get("layout") == "grid":
+        rows, cols, grid = _grid_cells(table)
+        lines = [f"**{table_cfg.get('caption', '')}**", "", "| Method | " + " | ".join(cols) + " |",
+                 "|---|" + "---:|" * len(cols)]
+        lines += [f"| {r} | " + " | ".join(cells) + " |" for r, cells in zip(rows, grid)]
+        lines.append("")
+        lines.extend(f"{n}  " for n in footnotes(table, grid=True))
+        return "\n".join(lines).rstrip() + "\n"
     cells, best = _cells(table), _best(table)
     lines = [f"**{table_cfg.get('caption', '')}**", ""]
     lines.append("| Method | " + " | ".join(table["method"]) + " |")
@@ -99,6 +127,15 @@ def render_param_latex(table: pd.DataFrame, table_cfg: dict, label: str | None =
     lines = [r"\begin{table}[htbp]", r"\centering", rf"\caption{{{latex_escape(table_cfg.get('caption', ''))}}}"]
     if label:
         lines.append(rf"\label{{tab:{latex_escape(label)}}}")
+    if table_cfg.get("layout") == "grid":
+        rows, cols, grid = _grid_cells(table)
+        lines += [r"\resizebox{\linewidth}{!}{%", r"\begin{tabular}{l" + "r" * len(cols) + "}", r"\toprule",
+                  " & ".join(["Method"] + [latex_escape(c) for c in cols]) + r" \\", r"\midrule"]
+        lines += [" & ".join([latex_escape(r)] + [latex_escape(c) for c in cells]) + r" \\"
+                  for r, cells in zip(rows, grid)]
+        lines += [r"\bottomrule", r"\end{tabular}}", r"\par\smallskip", r"{\footnotesize",
+                  " \\\\\n".join(latex_escape(n) for n in footnotes(table, grid=True)), "}", r"\end{table}"]
+        return "\n".join(lines) + "\n"
     lines += [r"\begin{tabular}{l" + "r" * len(table) + "}", r"\toprule"]
     lines.append(" & ".join(["Method"] + [latex_escape(m) for m in table["method"]]) + r" \\")
     lines.append(r"\midrule")

@@ -4,15 +4,18 @@
 
     row, row_label        method key and its display label
     column, col_index     the column's label and 0-based position
-    experiment, metric, client, window    what the cell measures (client -1 = aggregate over clients)
-    ours, ours_std        our number in % (mean over seeds of each seed's windowed value; std over
-                          seeds with ddof=1, NaN with one seed); NaN when there is no number
+    experiment, metric, client, window    what the cell measures (client -1 = aggregate over clients);
+                          window is the experiment's report window, or the column's `round`
+                          (first | last | a round number) where it names one
+    ours, ours_std        our number in the metric's unit (accuracies in %; METRIC_UNITS) (mean over
+                          seeds of each seed's windowed value; std over seeds with ddof=1, NaN with one
+                          seed); NaN when there is no number
     n_seeds               seeds behind `ours` (0 when none)
     rounds_used           fewest evaluated rounds any seed contributed to its window (<NA> if none)
     short_window          some seed had fewer evaluated rounds than the window needs (marked †)
     incomplete            some seed's run ended before the experiment's configured rounds (marked ‡)
     paper                 the paper's number in % (NaN = the paper has no such cell)
-    diff                  ours − paper in percentage points; only at scale 'paper', NaN otherwise
+    diff                  ours − paper in the metric's unit; only at scale 'paper', NaN otherwise
     status                ok | not implemented | not configured | missing run | missing metric
     scale, paper_role     the scale, and 'target' (paper) or 'layout reference only' (mini)
 
@@ -50,7 +53,17 @@ METRIC_KEYS: dict[str, tuple[str, int, str]] = {
     "worst_local_acc": ("local", -1, "acc_worst"),
     # Hungarian accuracy of SGPT's Select groups vs. the coarse labels (SGPT Table 4), written by sgpt runs
     "select_cluster_acc": ("global", -1, "select_cluster_acc"),
+    # what the clients sent (the engine counts every uplink): the mean per client and the round's total
+    "upload_numbers": ("train", -1, "upload_numbers_mean"),
+    "upload_total_M": ("train", -1, "upload_numbers_total"),
 }
+
+# A metric's factor from the logged value to the table's unit (default: a fraction shown in %).
+METRIC_UNITS: dict[str, float] = {
+    "upload_numbers": 1.0,
+    "upload_total_M": 2.0 ** -20,   # FedHPL Table 10 counts in M = 2^20 numbers
+}
+PERCENT = 100.0
 
 PAPER_ROLE = {"paper": "target", "mini": "layout reference only (data and backbone differ)"}
 
@@ -105,6 +118,37 @@ def check_report(report: dict) -> tuple[str, int | None]:
     raise ValueError(f"unknown report window {window!r}; expected 'last' or 'best'")
 
 
+def metric_factor(col: dict) -> float:
+    """From a column's logged value to the table's unit: 100 (a fraction shown in %) unless METRIC_UNITS says."""
+    return METRIC_UNITS.get(col["metric"], PERCENT)
+
+
+def check_round(col: dict) -> str | int | None:
+    """A column's fixed round (``round: first | last | <int >= 1>``) instead of the report window, or None."""
+    which = col.get("round")
+    if which is None or which in ("first", "last") or (isinstance(which, int) and not isinstance(which, bool)
+                                                         and which >= 1):
+        return which
+    raise ValueError(f"column {col.get('label')!r}: round {which!r}; expected first, last or a round number >= 1")
+
+
+def round_value(per_round: pd.Series, which: str | int) -> tuple[float, int, bool] | None:
+    """One seed's value at a fixed round (first / last evaluated, or that round), or None when it has none."""
+    per_round = per_round.sort_index()
+    if which == "first":
+        return float(per_round.iloc[0]), 1, False
+    if which == "last":
+        return float(per_round.iloc[-1]), 1, False
+    if which not in per_round.index:
+        return None
+    return float(per_round.loc[which]), 1, False
+
+
+def describe_round(which: str | int) -> str:
+    """The window text of a fixed-round column, e.g. 'round 10'."""
+    return {"first": "first round", "last": "final round"}.get(which, f"round {which}")  # type: ignore[arg-type]
+
+
 def describe_window(report: dict) -> str:
     """Human-readable window, e.g. 'last 10' or 'best'."""
     window, rounds = check_report(report)
@@ -122,14 +166,19 @@ def window_value(per_round: pd.Series, report: dict) -> tuple[float, int, bool]:
     return float(tail.mean()), len(tail), len(tail) < rounds
 
 
-def seed_values(rows: pd.DataFrame, report: dict) -> pd.DataFrame:
-    """Per-seed windowed values (value, rounds_used, short) from one cell's metric rows."""
+def seed_values(rows: pd.DataFrame, report: dict, which: str | int | None = None) -> pd.DataFrame:
+    """Per-seed windowed values (value, rounds_used, short) from one cell's metric rows; with `which`, the
+    value at that fixed round (a seed without that round contributes nothing)."""
     out = []
     for seed, grp in rows.groupby("seed", sort=True):
         if grp["round"].duplicated().any():
             raise ValueError(f"seed {seed}: more than one value per round for "
                              f"{grp.iloc[0][['experiment', 'method', 'split', 'client', 'metric']].to_dict()}")
-        value, used, short = window_value(grp.set_index("round")["value"], report)
+        per_round = grp.set_index("round")["value"]
+        got = window_value(per_round, report) if which is None else round_value(per_round, which)
+        if got is None:
+            continue
+        value, used, short = got
         out.append({"seed": seed, "value": value, "rounds_used": used, "short": short})
     return pd.DataFrame(out, columns=["seed", "value", "rounds_used", "short"])
 
@@ -192,20 +241,25 @@ def build_cell(metrics: pd.DataFrame, method: str, col: dict, exp_cfg: dict, sca
                implemented: set[str]) -> dict[str, Any]:
     """Compute one cell: our number (or the reason there is none) and its provenance."""
     split, client, metric = metric_key(col)
+    which = check_round(col)
     run = run_rows(metrics, col["experiment"], exp_cfg, method, scale)
     rows = run.loc[(run["split"] == split) & (run["client"] == client) & (run["metric"] == metric)]
+    if isinstance(which, int):
+        rows = rows.loc[rows["round"] == which]
     cell: dict[str, Any] = {
         "experiment": col["experiment"], "metric": col["metric"], "client": client,
-        "window": describe_window(exp_cfg["report"]), "ours": math.nan, "ours_std": math.nan,
+        "window": describe_window(exp_cfg["report"]) if which is None else describe_round(which),
+        "ours": math.nan, "ours_std": math.nan,
         "n_seeds": 0, "rounds_used": pd.NA, "short_window": False, "incomplete": False,
         "status": cell_status(method, exp_cfg, run, rows, implemented),
     }
     if cell["status"] != OK:
         return cell
-    per_seed = seed_values(rows, exp_cfg["report"])
+    per_seed = seed_values(rows, exp_cfg["report"], which)
     mean, std = mean_std(per_seed["value"])
+    factor = metric_factor(col)
     cell.update(
-        ours=100.0 * mean, ours_std=100.0 * std, n_seeds=len(per_seed),
+        ours=factor * mean, ours_std=factor * std, n_seeds=len(per_seed),
         rounds_used=int(per_seed["rounds_used"].min()), short_window=bool(per_seed["short"].any()),
         incomplete=_incomplete(run, exp_cfg),
     )
@@ -231,7 +285,8 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
     for col in table_cfg["columns"]:
         if col["experiment"] not in experiments:
             raise ValueError(f"column {col.get('label')!r}: unknown experiment {col['experiment']!r}")
-        metric_key(col)  # fail on a bad metric before any work
+        metric_key(col)  # fail on a bad metric or round before any work
+        check_round(col)
         check_report(experiments[col["experiment"]].get("report") or {})
     labels = table_cfg.get("row_labels") or {}
     records = []
@@ -256,11 +311,11 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
 # Rendering (plain text with Unicode marks; the LaTeX renderer translates them)
 # ----------------------------------------------------------------------------------------------
 
-def _fmt(x: float, signed: bool = False) -> str:
-    """A number with 2 decimals, or the no-number dash."""
+def _fmt(x: float, signed: bool = False, decimals: int = 2) -> str:
+    """A number with `decimals` decimals (2 unless the table says), or the no-number dash."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return NO_PAPER
-    return f"{x:+.2f}" if signed else f"{x:.2f}"
+    return f"{x:+.{decimals}f}" if signed else f"{x:.{decimals}f}"
 
 
 def _typical_seeds(table: pd.DataFrame) -> int:
@@ -269,20 +324,25 @@ def _typical_seeds(table: pd.DataFrame) -> int:
     return int(counts.mode().max()) if len(counts) else 0
 
 
-def _best_mask(table: pd.DataFrame) -> pd.Series:
-    """Cells holding the best of our numbers in their column (ties all count; compared as shown)."""
-    shown = table["ours"].round(2)
-    best = shown.groupby(table["col_index"]).transform("max")
+def _best_mask(table: pd.DataFrame, table_cfg: dict | None = None) -> pd.Series:
+    """Cells holding the best of our numbers in their column (ties all count; compared as shown); the table's
+    ``best`` says whether the highest (default), the lowest or none is best."""
+    cfg = table_cfg or {}
+    how = cfg.get("best", "max")
+    if how == "none":
+        return pd.Series(False, index=table.index)
+    shown = table["ours"].round(int(cfg.get("decimals", 2)))
+    best = shown.groupby(table["col_index"]).transform(how)
     return (table["status"] == OK) & (shown == best)
 
 
-def ours_text(cell: pd.Series, typical_seeds: int) -> str:
+def ours_text(cell: pd.Series, typical_seeds: int, decimals: int = 2) -> str:
     """Our number as shown: 'mean ± std' plus marks, or the reason there is none."""
     if cell["status"] != OK:
         return cell["status"]
-    text = _fmt(cell["ours"])
+    text = _fmt(cell["ours"], decimals=decimals)
     if not math.isnan(cell["ours_std"]):
-        text += f" ± {cell['ours_std']:.2f}"
+        text += f" ± {cell['ours_std']:.{decimals}f}"
     if cell["n_seeds"] != typical_seeds:
         text += f" (n={cell['n_seeds']})"
     if cell["short_window"]:
@@ -298,24 +358,26 @@ def _subheaders(scale: str) -> list[str]:
     return ["ours", "paper", "Δ"] if scale == "paper" else ["ours", "paper (layout ref.)"]
 
 
-def _cell_texts(cell: pd.Series, scale: str, typical: int, bold: bool) -> list[tuple[str, bool]]:
+def _cell_texts(cell: pd.Series, scale: str, typical: int, bold: bool, decimals: int = 2) -> list[tuple[str, bool]]:
     """The (text, bold) entries one table cell expands to."""
-    out = [(ours_text(cell, typical), bold), (_fmt(cell["paper"]), False)]
+    out = [(ours_text(cell, typical, decimals), bold), (_fmt(cell["paper"], decimals=decimals), False)]
     if scale == "paper":
-        out.append((_fmt(cell["diff"], signed=True), False))
+        out.append((_fmt(cell["diff"], signed=True, decimals=decimals), False))
     return out
 
 
-def _grid(table: pd.DataFrame, scale: str) -> tuple[list[str], list[list[tuple[str, bool]]]]:
+def _grid(table: pd.DataFrame, scale: str, table_cfg: dict | None = None
+          ) -> tuple[list[str], list[list[tuple[str, bool]]]]:
     """Row labels and, per row, the flat list of (text, bold) entries."""
     typical = _typical_seeds(table)
-    best = _best_mask(table)
+    best = _best_mask(table, table_cfg)
+    decimals = int((table_cfg or {}).get("decimals", 2))
     labels, grid = [], []
     for _, cells in table.groupby("row", sort=False):
         labels.append(str(cells["row_label"].iloc[0]))
         entries: list[tuple[str, bool]] = []
         for idx, cell in cells.sort_values("col_index").iterrows():
-            entries.extend(_cell_texts(cell, scale, typical, bool(best.loc[idx])))
+            entries.extend(_cell_texts(cell, scale, typical, bool(best.loc[idx]), decimals))
         grid.append(entries)
     return labels, grid
 
@@ -334,7 +396,7 @@ def _column_labels(table: pd.DataFrame) -> list[str]:
     return list(table.drop_duplicates("col_index").sort_values("col_index")["column"])
 
 
-def footnotes(table: pd.DataFrame, scale: str) -> list[str]:
+def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) -> list[str]:
     """Notes printed under the table: seeds, windows, marks and empty-cell reasons that occur."""
     notes = []
     typical = _typical_seeds(table)
@@ -342,9 +404,15 @@ def footnotes(table: pd.DataFrame, scale: str) -> list[str]:
         notes.append(f"Ours: mean ± std over seeds, n = {typical} seeds per cell unless marked (n=k).")
     elif typical == 1:
         notes.append("Ours: one seed per cell (no std) unless marked (n=k).")
-    windows = table.drop_duplicates("experiment").groupby("window", sort=False)["experiment"].apply(list)
+    cells = table.drop_duplicates(["experiment", "window"])
+    windows = cells.groupby("window", sort=False)["experiment"].apply(list)
     for window, exps in windows.items():
-        what = "best round" if window == "best" else f"mean of the {window} evaluated rounds"
+        if window == "best":
+            what = "best round"
+        elif window.startswith("last "):
+            what = f"mean of the {window} evaluated rounds"
+        else:
+            what = f"value at the {window}"
         notes.append(f"Report window ({', '.join(exps)}): {what} of each seed's run.")
     if table["paper"].isna().any():
         notes.append(f"{NO_PAPER} = the paper reports no such cell.")
@@ -356,14 +424,22 @@ def footnotes(table: pd.DataFrame, scale: str) -> list[str]:
     present = [s for s in STATUS_NOTES if (table["status"] == s).any()]
     if present:
         notes.append("Empty cells: " + "; ".join(STATUS_NOTES[s] for s in present) + ".")
-    if (table["status"] == OK).any():
-        notes.append("Bold = best of our numbers in the column.")
+    how = (table_cfg or {}).get("best", "max")
+    if (table["status"] == OK).any() and how != "none":
+        notes.append("Bold = best of our numbers in the column" + (" (the lowest)." if how == "min" else "."))
     return notes
 
 
-def scale_note(scale: str) -> str:
+def _percent_only(table: pd.DataFrame) -> bool:
+    """True when every column's metric is shown in % (accuracies)."""
+    return all(metric_factor({"metric": m}) == PERCENT for m in table["metric"].unique())
+
+
+def scale_note(scale: str, percent: bool = True) -> str:
     """The caption sentence that says how to read the paper's numbers at this scale."""
-    return MINI_NOTE if scale == "mini" else PAPER_NOTE
+    if scale == "mini":
+        return MINI_NOTE
+    return PAPER_NOTE if percent else "Scale paper: Δ = ours − paper, in the table's units."
 
 
 def _md_escape(text: str) -> str:
@@ -376,15 +452,15 @@ def render_markdown(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
     subs = _subheaders(scale)
     attr_cols, attr_rows = _row_attributes(table_cfg, table)
     header = ["Method"] + attr_cols + [f"{c}: {s}" for c in _column_labels(table) for s in subs]
-    labels, grid = _grid(table, scale)
-    lines = [f"**{table_cfg.get('caption', '')}** {scale_note(scale)}", ""]
+    labels, grid = _grid(table, scale, table_cfg)
+    lines = [f"**{table_cfg.get('caption', '')}** {scale_note(scale, _percent_only(table))}", ""]
     lines.append("| " + " | ".join(_md_escape(h) for h in header) + " |")
     lines.append("|" + "|".join(["---"] + [":---:"] * len(attr_cols) + ["---:"] * (len(header) - 1 - len(attr_cols))) + "|")
     for label, attrs, entries in zip(labels, attr_rows, grid):
         texts = [f"**{_md_escape(t)}**" if b else _md_escape(t) for t, b in entries]
         lines.append("| " + " | ".join([_md_escape(label)] + [_md_escape(a) for a in attrs] + texts) + " |")
     lines.append("")
-    lines.extend(f"{note}  " for note in footnotes(table, scale))
+    lines.extend(f"{note}  " for note in footnotes(table, scale, table_cfg))
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -409,8 +485,8 @@ def render_latex(table: pd.DataFrame, table_cfg: dict, scale: str, label: str | 
     k = len(subs)
     attr_cols, attr_rows = _row_attributes(table_cfg, table)
     a = len(attr_cols)
-    labels, grid = _grid(table, scale)
-    caption = latex_escape(f"{table_cfg.get('caption', '')} {scale_note(scale)}")
+    labels, grid = _grid(table, scale, table_cfg)
+    caption = latex_escape(f"{table_cfg.get('caption', '')} {scale_note(scale, _percent_only(table))}")
     lines = [r"\begin{table}[htbp]", r"\centering", rf"\caption{{{caption}}}"]
     if label:
         lines.append(rf"\label{{tab:{latex_escape(label)}}}")
@@ -424,7 +500,7 @@ def render_latex(table: pd.DataFrame, table_cfg: dict, scale: str, label: str | 
         texts = [rf"\textbf{{{latex_escape(t)}}}" if b else latex_escape(t) for t, b in entries]
         lines.append(" & ".join([latex_escape(row_label)] + [latex_escape(x) for x in attrs] + texts) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}}", r"\par\smallskip", r"{\footnotesize"]
-    lines.append(" \\\\\n".join(latex_escape(n) for n in footnotes(table, scale)))
+    lines.append(" \\\\\n".join(latex_escape(n) for n in footnotes(table, scale, table_cfg)))
     lines += ["}", r"\end{table}"]
     return "\n".join(lines) + "\n"
 
