@@ -443,7 +443,12 @@ def test_plus_h_heterogeneous_vits_average_heads_per_width_and_resume_exactly(he
     assert torch.equal(round2[0]["head.weight"], round2[4]["head.weight"])
     assert torch.equal(round2[1]["head.weight"], round2[3]["head.weight"])
     assert not torch.equal(round2[0]["prompts.0"], round2[4]["prompts.0"])  # +H: prompts stay personal
-    _check_rows(full.metrics)
+    m = full.metrics
+    _check_rows(m)
+    ups = m[m.metric == "upload_count"].set_index(["round", "client"])["value"]
+    sent = m[(m.metric == "upload_numbers") & (m.client >= 0)].set_index(["round", "client"])["value"]
+    head = pd.Series({c: C * d + C for c, d in enumerate([32, 64, 80, 64, 32])})   # the head's weight and bias
+    assert (sent == ups * (C + 1) + head.reindex(ups.index, level="client")).all()
     assert _hetero(hetero_files, tmp_path / "cut", archs, stop=1, share="head") is None
     resumed = _hetero(hetero_files, tmp_path / "cut", archs, share="head")
     pd.testing.assert_frame_equal(full.metrics, resumed.metrics)
