@@ -34,9 +34,9 @@ def test_each_paper_loads_alone_and_together_with_the_same_runs(both):
 def test_paper_scale_lists_every_run_group(both):
     paper = both.at_scale("paper")
     runs = [r for r in paper.runs() if paper.experiments[r["experiment"]]["paper"] == "fedhpl"]
-    assert len(runs) == 284  # Fig. 3(b)'s shares: 8; Fig. 10's 32-px runs: 3
+    assert len(runs) == 296  # 273 + Fig. 3(b)'s shares 8 + Fig. 10's 32-px runs 3 + Table 3(e)'s +P, +H 12
     by_method = collections.Counter(paper.base_method(r["method"]) for r in runs)
-    assert by_method["fedhpl"] == 131 and by_method["fedgen"] == 18 and by_method["fedavg"] == 9
+    assert by_method["fedhpl"] == 143 and by_method["fedgen"] == 18 and by_method["fedavg"] == 9
     # Table 1: 8 methods x 9 cells on homo; Table 2: 7 methods on hetres + FedHPL (ViT) on hetvit
     homo = {r["method"] for r in runs if r["experiment"] == "hpl_c10_iid_homo"}
     assert {"fedavg", "fedprox", "scaffold", "fedbabu", "fedrep", "pfedpt", "pfedpg", "fedhpl"} <= homo
@@ -148,3 +148,12 @@ def test_bars_figure_draws_table_cells_and_marks_the_missing(both):
     assert heights == [80.0, 90.0]
     notes = figure_notes(fig)
     assert "IID: average aggregation (beta = 1)" in notes and "Dir: FedHPL" in notes
+
+
+def test_table3e_plus_p_and_plus_h_run_in_its_six_cells_at_both_scales(both):
+    cells = {f"hpl_c10_{p}_{m}" for p in ("iid", "dir", "noniid") for m in ("homo", "hetvit")}
+    for cfg in (both, both.at_scale("paper")):
+        for variant, share in (("hpl_plus_p", "prompts"), ("hpl_plus_h", "head")):
+            runs = {r["experiment"] for r in cfg.runs() if r["method"] == variant}
+            assert runs == cells
+            assert all(cfg.train_params(e, variant)["method_params"]["share"] == share for e in cells)
