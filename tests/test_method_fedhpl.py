@@ -342,11 +342,11 @@ def test_group_average_is_sample_weighted_within_each_width_and_a_singleton_keep
                 assert torch.allclose(down[c][k].double(), want, rtol=0, atol=1e-6), (c, k)
                 assert not torch.allclose(down[c][k], sent[c][k])
     assert down[2].keys() == sent[2].keys() and all(torch.equal(down[2][k], sent[2][k]) for k in sent[2])
-    # the average replaces a client's copy when its next round starts; its evaluation scores the copy it trained
+    # the average overwrites a client's copy after the round (§8.18): its next round and its evaluation see it
     own = {"model": {k: v + 1.0 for k, v in sent[0].items()}}
     model = method.model_for(0)
     method.evaluator.load(model, 0, state, own, None)
-    assert all(torch.equal(model.get_parameter(k), own["model"][k]) for k in own["model"])
+    assert all(torch.equal(model.get_parameter(k), down[0][k]) for k in own["model"])
     client.start(model, 0, own, server.configure(state, 0))
     assert all(torch.equal(model.get_parameter(k), down[0][k]) for k in own["model"])
     # only clients 1 and 2 take part: B's average is client 1's, L's too; S keeps the previous round's

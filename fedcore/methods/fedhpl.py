@@ -40,7 +40,8 @@ their shapes (same names and shapes: same backbone width, so hetvit gives {ViT-S
 2}, homo one group of all; grouped by shape, not by architecture name) and averages each group weighted by the
 clients' sample counts (§8.18; a singleton group keeps its own tensors). At the start of its next round every
 client of a group overwrites its copy with the group's average (``Client.start``); its evaluation at the end of
-a round scores the copy it trained. The logit distillation is unchanged.
+a round scores its model with that average in place (after the round's aggregation, as PFLlib scores
+personalised methods). The logit distillation is unchanged.
 
 Choices where the paper is silent (DEVIATIONS.md, FedHPL): the optimiser state persists across rounds
 (``keep_optimizer``, §1.7; then clients train one by one); the server uses the uploads of the round's
@@ -238,18 +239,8 @@ class FedHPLServer(Strategy):
 
 
 class FedHPLEvaluator(PersonalEvaluator):
-    """Each client's own model (+P / +H: the copy it trained, before its group's average replaces it at the start of
-    its next round); logs the round's upload counts (Table 10)."""
-
-    def load(self, model: nn.Module, cid: int | None, server: Payload, client_state: Payload | None,
-             data: ClientData | None) -> None:
-        """The teacher buffers and the client's own tensors, without the +P / +H group average."""
-        if cid is None:
-            super().load(model, cid, server, client_state, data)
-            return
-        load_state(model, server.get("model", {}))
-        down = {k: v for k, v in self.method.strategy.configure(server, cid).items() if k != SHARED}
-        self.method.client.start(model, cid, client_state or {}, down)
+    """Each client's own model (+P / +H: with its group's average, the state its copy has after the round's
+    aggregation, as PFLlib's personalised methods are scored); logs the round's upload counts (Table 10)."""
 
     def round_rows(self, ctx: RoundContext, model: nn.Module, server: Payload) -> list[tuple[int, str, str, float]]:
         """|D̃_k| and |D̃_{k,c}| per uploading client."""
