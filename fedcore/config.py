@@ -208,6 +208,8 @@ class Resolved:
         if "client_backbones" in exp:  # which of the run's backbones each client uses (homogeneous runs: absent)
             names = run_backbones(exp)
             out["client_backbones"] = [names.index(b) for b in exp["client_backbones"]]
+        if "input_size" in exp:  # absent unless set, so that the other runs' params stay as they were
+            out["input_size"] = exp["input_size"]
         out["final_window"] = exp["report"].get("rounds", 1) if exp["report"]["window"] == "last" else 1
         out["paper"] = exp["paper"]
         return out
@@ -254,6 +256,8 @@ class Resolved:
                 model["base"] = paper.base_method(model["method"])
                 model["params"] = paper.method_params(model["experiment"], model["method"])
                 model.setdefault("arch", paper.backbones[exp["backbone"]]["arch"])
+                if "input_size" in exp:  # FedHPL (CNN)'s pad prompt is sized by the images it pads
+                    model["input_size"] = exp["input_size"]
             out.append(model)
         return out
 
@@ -315,6 +319,33 @@ def _check_method_params(name: str, exp: dict, resolved: "Resolved", files: str)
             cls.check_params(params)  # what the rules cannot express, here rather than inside a job
         except ValueError as e:
             raise ConfigError(f"config error in {files}: experiment {name!r}, {label}: {e}") from e
+
+
+def _check_input_size(name: str, exp: dict, resolved: "Resolved", files: str) -> None:
+    """``input_size`` needs backbones that take any input size (ResNets: global pooling), and methods that feed
+    them: not one that trains its own backbone, nor one that reads per-sample artifacts (computed at the
+    backbone's own input size)."""
+    if "input_size" not in exp:
+        return
+    from fedcore.backbones.registry import ANY_INPUT_SIZE, arch_info
+    from fedcore.methods import method_class
+
+    size = exp["input_size"]
+    for b in run_backbones(exp):
+        info = arch_info(resolved.backbones[b]["arch"])
+        if info["family"] not in ANY_INPUT_SIZE:
+            raise ConfigError(f"config error in {files}: experiment {name!r}, key 'input_size' = {size}: allowed "
+                              f"only with backbones of the families {list(ANY_INPUT_SIZE)}; backbone {b!r} is a "
+                              f"{info['family']} (its position embedding fixes its input size)")
+    for m in exp["methods"]:
+        cls = method_class(resolved.base_method(m))
+        params = {**cls.defaults, **resolved.method_params(name, m)}
+        own, artifacts = cls.own_backbone(params), cls.artifacts(params)
+        if own is not None or artifacts:
+            why = (f"trains its own backbone {own!r}" if own is not None
+                   else f"reads per-sample artifacts {sorted(artifacts)} computed at the backbone's own input size")
+            raise ConfigError(f"config error in {files}: experiment {name!r}, key 'input_size' = {size}: method "
+                              f"{m!r} {why}; run it in an experiment without input_size")
 
 
 def load_config(config: dict, root: str | Path = ".") -> Resolved:
@@ -413,6 +444,7 @@ def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolve
             files = f"{exp_file} after {scale_file}"
             _check_partition(name, out, files)
             _check_method_params(name, out, resolved, files)
+            _check_input_size(name, out, resolved, files)
         before = {kind: set(getattr(resolved, kind)) for kind in ("tables", "figures")}
         _load_report(root, paper, scale, scale_file, schema, resolved)
         # a scale's overrides name this paper's experiments, tables and figures
@@ -516,16 +548,23 @@ def _runnable(resolved: Resolved) -> set[str]:
 
 def figure_experiments(fig: dict) -> list[str]:
     """The experiments a figure reads (one panel each for accuracy_per_round and per_class)."""
-    if fig["kind"] == "per_class":
-        return list(dict.fromkeys(p["experiment"] for p in fig["panels"]))
+    if fig["kind"] == "per_class":  # a line may read another experiment per panel (experiment_replace)
+        from fedcore.report.tables import replace_experiment
+
+        return list(dict.fromkeys([p["experiment"] for p in fig["panels"]]
+                                  + [replace_experiment(p["experiment"], x.get("experiment_replace"))
+                                     for p in fig["panels"] for x in fig.get("lines", [])]))
     if fig["kind"] == "bars":
         return list(dict.fromkeys(c["experiment"] for c in fig["columns"]))
+    if fig["kind"] == "sweep":  # a point may read its own experiment (a setting of the data, not the method)
+        return list(dict.fromkeys([fig["experiment"]] + [p["experiment"] for s in fig["series"]
+                                                         for p in s["points"] if "experiment" in p]))
     return list(fig["experiments"]) if "experiments" in fig else [fig["experiment"]]
 
 
 def figure_methods(fig: dict, experiments: dict[str, dict] | None = None) -> set[str]:
     """Every method or variant a figure names (accuracy_per_round: its experiments' methods)."""
-    names = set(fig.get("methods", [])) | set(fig.get("baselines", []))
+    names = set(fig.get("methods", [])) | set(fig.get("baselines", [])) | {x["method"] for x in fig.get("lines", [])}
     if fig["kind"] == "bars":  # rows read through row_sources are labels; their method is what runs
         sources = fig.get("row_sources", {})
         names |= {sources[r]["method"] if r in sources else r for r in fig["rows"]}
@@ -544,6 +583,16 @@ def figure_methods(fig: dict, experiments: dict[str, dict] | None = None) -> set
 
 def _check_figure(fig: dict, experiments: dict, where: str, runnable: set[str]) -> None:
     """A figure names known experiments and known methods/variants, and each setting at most once per series."""
+    for j, series in enumerate(fig.get("series", [])):
+        for k, point in enumerate(series["points"]):
+            if "experiment" in point:
+                _check_name(point["experiment"], experiments, where, f"series[{j}].points[{k}].experiment")
+    for j, line in enumerate(fig.get("lines", [])):
+        from fedcore.report.tables import replace_experiment
+
+        for panel in fig["panels"]:
+            _check_name(replace_experiment(panel["experiment"], line.get("experiment_replace")), experiments, where,
+                        f"lines[{j}].experiment_replace (panel {panel['label']!r})")
     for i, e in enumerate(figure_experiments(fig)):
         _check_name(e, experiments, where, f"experiments[{i}]" if "experiments" in fig else "experiment")
     for m in sorted(figure_methods(fig)):

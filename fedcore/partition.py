@@ -14,6 +14,9 @@ Schemes (see SCHEMES for keys and defaults):
   pathological          FedPFT: n random classes per client, fixed samples per class
   domain                one or more IID clients per domain (Office, DomainNet, Five-dataset)
 
+Every scheme also takes ``keep_fraction`` (COMMON_KEYS): each client then trains on a seeded, class-stratified
+share of the train samples the scheme gave it (FedHPL Fig. 3(b)); its test set stays the full partition's.
+
 The FedHPL algorithms live in fedcore.partition_fedhpl; this module keeps the table, validation and format.
 """
 from __future__ import annotations
@@ -98,9 +101,15 @@ SCHEMES: dict[str, dict[str, Any]] = {
     },
 }
 
+# Keys every scheme takes, applied after the scheme's own draw (see keep_share).
+COMMON_KEYS: dict[str, Any] = {"keep_fraction": 1.0}
+
 # Keys added to a scheme after its partitions were in use: left out of the validated spec while they hold
 # their default, so that the ids and files of the earlier specs stay byte-identical.
-_OMITTED_AT_DEFAULT: dict[str, dict[str, Any]] = {"iid": {"min_per_class_frac": 0.0}}
+_OMITTED_AT_DEFAULT: dict[str, dict[str, Any]] = {
+    **{scheme: dict(COMMON_KEYS) for scheme in SCHEMES},
+    "iid": {"min_per_class_frac": 0.0, **COMMON_KEYS},
+}
 
 SETTINGS = ("iid", "dirichlet", "dirichlet_overlap")  # class_subsets' settings inside the class subsets
 ALPHA_SUMS = ("classes", "clients")
@@ -274,6 +283,7 @@ _CHECKS: dict[str, Callable[[str, Any, str], Any]] = {
     "clients_per_domain": lambda k, v, s: _check_int(k, v, 1),
     "train_fraction_of_min": lambda k, v, s: None if v is None else _check_float(k, v, 0.0, 1.0, lo_open=True),
     "equal_test_size": lambda k, v, s: _check_bool(k, v),
+    "keep_fraction": lambda k, v, s: _check_float(k, v, 0.0, 1.0, lo_open=True),
 }
 
 
@@ -291,7 +301,7 @@ def validate_spec(spec: dict) -> dict:
     scheme = spec.get("scheme")
     if scheme not in SCHEMES:
         raise ValueError(f"partition key 'scheme' must be one of {sorted(SCHEMES)}, got {scheme!r}")
-    allowed = SCHEMES[scheme]
+    allowed = {**SCHEMES[scheme], **COMMON_KEYS}
     unknown = sorted((k for k in spec if k != "scheme" and k not in allowed and k not in _DERIVED), key=str)
     if unknown:
         raise ValueError(
@@ -777,7 +787,33 @@ def make_partition(
         train, test = maker(spec, train_y, test_y, rng)
     if spec["test"] == "full":
         test = [np.arange(len(test_y), dtype=np.int64) for _ in train]
+    if spec.get("keep_fraction", 1.0) < 1.0:  # after every other draw: the full partition is unchanged
+        train = keep_share(train, train_y, spec["keep_fraction"], rng)
     return Partition(train=train, test=test, spec=spec, seed=seed)
+
+
+def keep_share(train: list[np.ndarray], train_y: np.ndarray, fraction: float,
+               rng: np.random.Generator) -> list[np.ndarray]:
+    """Each client's train indices cut to a class-stratified share: round(fraction * n_c) of its n_c samples of
+    every class c, a seeded random subset, in the client's own order.
+
+    Stratified, so that the share changes how much data a client has and not its label mix; rounded per
+    class (half up), so that a larger fraction keeps a superset: every class is one fixed random order of the
+    client's samples cut at a longer prefix, and the rng draws the same orders whatever the fraction.
+    """
+    out = []
+    for i, idx in enumerate(train):
+        labels = train_y[idx]
+        keep = np.zeros(len(idx), dtype=bool)
+        for c in np.unique(labels):
+            members = rng.permutation(np.flatnonzero(labels == c))
+            keep[members[: int(math.floor(fraction * len(members) + 0.5))]] = True
+        if len(idx) and not keep.any():
+            raise ValueError(f"keep_fraction={fraction} leaves client {i} without train samples (it holds "
+                             f"{len(idx)}, at most {int(np.bincount(labels).max())} of one class); raise "
+                             f"keep_fraction")
+        out.append(idx[keep])
+    return out
 
 
 def class_counts(partition: Partition, train_y: np.ndarray, test_y: np.ndarray) -> pd.DataFrame:

@@ -107,7 +107,11 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     client_backbones = params.get("client_backbones")
     cls = method_class(params.get("method", identity["method"]))
     own = cls.own_backbone({**cls.defaults, **params.get("method_params", {})})
+    input_size = params.get("input_size")  # the side of the images the backbones see, if not their weights'
     if own is not None:  # the method trains its own architecture from scratch: no experiment backbone is loaded
+        if input_size is not None:
+            raise ValueError(f"method {cls.name} trains its own backbone {own!r} at its own input size: drop "
+                             f"input_size={input_size} from its experiment")
         if client_backbones is not None:
             raise ValueError(f"method {cls.name} trains its own backbone {own!r} on every client: drop "
                              f"client_backbones={client_backbones} from its experiment")
@@ -124,7 +128,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     # pretraining head and leak its training into the run.
     seed_everything(stream_seed(seed, 0, 0, 0x1A17))
     # "arch" or "arch.tag" (config/backbones.yaml's weight tag: the input contract of the weights)
-    nets = [build_backbone(a.partition(".")[0], w, a.partition(".")[2] or None, sha256=d)
+    nets = [build_backbone(a.partition(".")[0], w, a.partition(".")[2] or None, input_size=input_size, sha256=d)
             for a, w, d in zip(archs, weights, digests, strict=True)]
     infos = [backbone_info(n) for n in nets]
     inputs = {(i["img_size"], i["mean"], i["std"]) for i in infos}

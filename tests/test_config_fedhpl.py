@@ -34,9 +34,10 @@ def test_each_paper_loads_alone_and_together_with_the_same_runs(both):
 def test_paper_scale_lists_every_run_group(both):
     paper = both.at_scale("paper")
     runs = [r for r in paper.runs() if paper.experiments[r["experiment"]]["paper"] == "fedhpl"]
-    assert len(runs) == 309  # 273 + Tables 12, 13's 36 (self-supervised backbones)
+    # 273 + Fig. 3(b)'s shares 8 + Fig. 10's 32-px runs 3 + Table 3(e)'s +P, +H 12 + Tables 12, 13's MoCo runs 36
+    assert len(runs) == 332
     by_method = collections.Counter(paper.base_method(r["method"]) for r in runs)
-    assert by_method["fedhpl"] == 156 and by_method["fedgen"] == 18 and by_method["fedavg"] == 9
+    assert by_method["fedhpl"] == 179 and by_method["fedgen"] == 18 and by_method["fedavg"] == 9
     # Table 1: 8 methods x 9 cells on homo; Table 2: 7 methods on hetres + FedHPL (ViT) on hetvit
     homo = {r["method"] for r in runs if r["experiment"] == "hpl_c10_iid_homo"}
     assert {"fedavg", "fedprox", "scaffold", "fedbabu", "fedrep", "pfedpt", "pfedpg", "fedhpl"} <= homo
@@ -108,6 +109,10 @@ def test_parameter_tables_count_the_papers_models_exactly(both):
     assert hpl == [11_189_814, 21_297_974, 23_536_694, 11_235_984, 21_344_144, 23_721_104]
     assert [round(t / 2 ** 20, 3) for t in hpl] == [10.671, 20.311, 22.446, 10.715, 20.355, 22.622]
     assert totals[0] == 11_176_512 + 512 * 10 + 10                                     # FedGen R18: 10.664 M
+    # FedGen and FedTGP pool ResNet-50's features to 512 (HtFLlib's models): their rows are the paper's exactly
+    paper_gen = [10.664, 20.304, 22.424, 10.708, 20.348, 22.468]
+    assert [round(t / 2 ** 20, 3) for t in totals[:6]] == paper_gen                    # FedGen
+    assert [round(t / 2 ** 20, 3) for t in totals[18:24]] == paper_gen                 # FedTGP
 
 
 def test_per_class_figure_draws_each_run_and_lists_the_missing(both, tmp_path):
@@ -144,3 +149,12 @@ def test_bars_figure_draws_table_cells_and_marks_the_missing(both):
     assert heights == [80.0, 90.0]
     notes = figure_notes(fig)
     assert "IID: average aggregation (beta = 1)" in notes and "Dir: FedHPL" in notes
+
+
+def test_table3e_plus_p_and_plus_h_run_in_its_six_cells_at_both_scales(both):
+    cells = {f"hpl_c10_{p}_{m}" for p in ("iid", "dir", "noniid") for m in ("homo", "hetvit")}
+    for cfg in (both, both.at_scale("paper")):
+        for variant, share in (("hpl_plus_p", "prompts"), ("hpl_plus_h", "head")):
+            runs = {r["experiment"] for r in cfg.runs() if r["method"] == variant}
+            assert runs == cells
+            assert all(cfg.train_params(e, variant)["method_params"]["share"] == share for e in cells)

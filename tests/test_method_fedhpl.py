@@ -1,5 +1,6 @@
 """FedHPL (spec fedhpl §9): β matrices, Eq. 8 from "All" and "Average" uploads, uniform β, the loss, round 1 and
-γ = 0 against Local, heterogeneous ViT and ResNet runs (with resume), and the paper's trainable-parameter counts."""
+γ = 0 against Local, heterogeneous ViT and ResNet runs (with resume), the paper's trainable-parameter counts, and
+the +P / +H policies (Table 3(e): prompts or head averaged within groups of the same shapes)."""
 from __future__ import annotations
 
 import pandas as pd
@@ -12,8 +13,8 @@ from conftest import identity, run_params, synthetic_bundle
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.engine.roles import FitResult, RoundInfo
 from fedcore.methods.base import kd_loss
-from fedcore.methods.fedhpl import (FedHPL, FedHPLServer, beta_matrix, class_sums, global_logits,
-                                    upload_all, upload_average)
+from fedcore.methods.fedhpl import (SHARED, FedHPL, FedHPLClient, FedHPLServer, beta_matrix, class_sums,
+                                    global_logits, upload_all, upload_average)
 from fedcore.train import train_run
 
 C = 4  # classes of the synthetic bundle
@@ -150,7 +151,7 @@ def test_loss_is_ce_plus_gamma_kl_from_teacher_to_student_without_t_squared():
 @pytest.mark.parametrize("key, value", [("prompt_depth", "middle"), ("num_prompts", 0), ("num_prompts", 2.5),
                                         ("pad_width", True), ("temperature", 0), ("gamma", -0.1),
                                         ("upload", "all"), ("beta", "cosine"), ("keep_optimizer", "yes"),
-                                        ("upload_correct_only", 1)])
+                                        ("upload_correct_only", 1), ("share", "prompt"), ("share", None)])
 def test_bad_params_are_refused_naming_the_key(key, value):
     from fedcore.constraints import violations
 
@@ -309,3 +310,150 @@ def test_trainable_parameters_match_the_papers_tables():
     assert [_count(m) for m in resnet.models] == [5130 + 8172, 5130 + 8172, 20490 + 8172]  # Table 8 @224
     assert [round(_count(m) / 1024, 2) for m in resnet.models] == [12.99, 12.99, 27.99]
     assert round(sum(_count(resnet.model_for(k)) for k in range(5)) / 2**20, 3) == 0.078  # Table 2, FedHPL (CNN)
+
+
+# ---- +P / +H (Table 3(e), spec §1.9, §8.18) -----------------------------------------------------------
+def _three_widths(**params) -> FedHPL:
+    """FedHPL around random vit_mini_s / vit_mini / vit_mini_l (dims 32 / 64 / 80; depths 4 / 4 / 6): S B L B S."""
+    torch.manual_seed(0)
+    backbones = [prompt_adapter(build_backbone(a)) for a in ("vit_mini_s", "vit_mini", "vit_mini_l")]
+    return FedHPL(backbones, C, params, client_backbones=[0, 1, 2, 1, 0])
+
+
+@pytest.mark.parametrize("share, names", [("prompts", "prompts."), ("head", "head.")])
+def test_group_average_is_sample_weighted_within_each_width_and_a_singleton_keeps_its_own(share, names):
+    method = _three_widths(share=share)
+    server, client = method.strategy, method.client
+    g = torch.Generator().manual_seed(5)
+    samples = [10, 30, 7, 50, 20]
+    sent = [{k: torch.randn(v.shape, generator=g) for k, v in method.initial_state(
+        c, client.shared_keys(method.keys(c))).items()} for c in range(5)]
+    assert sent[0] and all(k.startswith(names) for k in sent[0])           # only the prompts, or only the head
+    logits, labels = _local_logits(2)[0]
+    results = [FitResult(c, samples[c], {**upload_all(logits, labels), "model": sent[c]}, {}) for c in range(5)]
+    state = server.aggregate(RoundInfo(1, 5, 1.0, 0), server.init_state(5), results)
+    assert len(state[SHARED]) == 3                                         # S, B, L: never across widths
+    down = [server.configure(state, c)[SHARED] for c in range(5)]
+    for group in ((0, 4), (1, 3)):                                         # Σ n_c x_c / Σ n_c, in the test's words
+        total = sum(samples[c] for c in group)
+        for k in sent[group[0]]:
+            want = sum(samples[c] * sent[c][k].double() for c in group) / total
+            for c in group:
+                assert torch.allclose(down[c][k].double(), want, rtol=0, atol=1e-6), (c, k)
+                assert not torch.allclose(down[c][k], sent[c][k])
+    assert down[2].keys() == sent[2].keys() and all(torch.equal(down[2][k], sent[2][k]) for k in sent[2])
+    # the average overwrites a client's copy after the round (§8.18): its next round and its evaluation see it
+    own = {"model": {k: v + 1.0 for k, v in sent[0].items()}}
+    model = method.model_for(0)
+    method.evaluator.load(model, 0, state, own, None)
+    assert all(torch.equal(model.get_parameter(k), down[0][k]) for k in own["model"])
+    client.start(model, 0, own, server.configure(state, 0))
+    assert all(torch.equal(model.get_parameter(k), down[0][k]) for k in own["model"])
+    # only clients 1 and 2 take part: B's average is client 1's, L's too; S keeps the previous round's
+    later = server.aggregate(RoundInfo(2, 5, 1.0, 0), state, [results[1], results[2]])
+    assert all(torch.equal(server.configure(later, 3)[SHARED][k], sent[1][k]) for k in sent[1])
+    assert all(torch.equal(server.configure(later, 4)[SHARED][k], down[4][k]) for k in sent[4])
+
+
+def test_share_none_sends_and_receives_no_model_tensor():
+    method = _three_widths()
+    assert all(method.client.shared_keys(method.keys(c)) == [] for c in range(5))
+    state = method.strategy.init_state(5)
+    assert set(state) == SERVER_KEYS and set(method.strategy.configure(state, 0)) == {"model"}
+
+
+def _spy_starts(monkeypatch) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """Record each client's prompts and head as its local training begins (after the downlink was loaded)."""
+    starts: list[tuple[int, dict[str, torch.Tensor]]] = []
+    original = FedHPLClient.train
+
+    def train(self, model, cid, *args):
+        starts.append((cid, {k: v.detach().clone() for k, v in model.state_dict().items()
+                             if k.startswith(("prompts.", "head."))}))
+        return original(self, model, cid, *args)
+    monkeypatch.setattr(FedHPLClient, "train", train)
+    return starts
+
+
+def _spy_samples(monkeypatch) -> dict[int, int]:
+    """Record each uploading client's sample count."""
+    samples: dict[int, int] = {}
+    original = FedHPLServer.aggregate
+    monkeypatch.setattr(FedHPLServer, "aggregate", lambda self, info, state, results: samples.update(
+        {r.cid: r.num_samples for r in results}) or original(self, info, state, results))
+    return samples
+
+
+def test_plus_p_homogeneous_clients_start_the_next_round_with_the_same_prompts(tiny_run_files, tmp_path,
+                                                                                monkeypatch):
+    samples = _spy_samples(monkeypatch)
+    assert _run(tiny_run_files, tmp_path, stop=1, share="prompts") is None
+    round1 = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    (average,) = round1["server"][SHARED].values()                          # one group: all four clients
+    mine = {c: s["model"] for c, s in round1["clients"].items()}            # the copies each client trained
+    assert sorted(average) == [f"prompts.{i}" for i in range(4)]
+    total = sum(samples.values())
+    for k, v in average.items():
+        want = sum(samples[c] * mine[c][k].double() for c in range(4)) / total
+        assert torch.allclose(v.double(), want, rtol=0, atol=1e-6)
+        assert not torch.equal(mine[0][k], mine[1][k])
+    starts = _spy_starts(monkeypatch)
+    final = _run(tiny_run_files, tmp_path, share="prompts")                 # round 2, resumed
+    assert sorted(c for c, _ in starts) == [0, 1, 2, 3]
+    for c, got in starts:
+        for k, v in got.items():
+            want = average[k] if k.startswith("prompts.") else mine[c][k]   # the group's prompts, its own head
+            assert torch.equal(v, want), (c, k)
+    assert not torch.equal(final.personal_states[0]["prompts.0"], final.personal_states[1]["prompts.0"])
+
+
+def test_plus_p_clients_trained_together_equal_one_by_one(tiny_run_files, tmp_path, monkeypatch):
+    together = _run(tiny_run_files, tmp_path / "a", keep_optimizer=False, share="prompts")
+    monkeypatch.setattr(loop, "_why_not_together", lambda method: "forced one by one")
+    alone = _run(tiny_run_files, tmp_path / "b", keep_optimizer=False, share="prompts")
+    for c, state in together.personal_states.items():
+        for k, v in state.items():
+            assert torch.allclose(v, alone.personal_states[c][k], atol=1e-5), (c, k)
+    (a,), (b,) = together.server_state[SHARED].values(), alone.server_state[SHARED].values()
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert abs(together.metrics["value"].to_numpy() - alone.metrics["value"].to_numpy()).max() < 1e-4
+
+
+def test_plus_h_heterogeneous_vits_average_heads_per_width_and_resume_exactly(hetero_files, tmp_path, monkeypatch):
+    uplinks: list[set[str]] = []
+    original = FedHPLServer.aggregate
+    monkeypatch.setattr(FedHPLServer, "aggregate", lambda self, info, state, results: uplinks.extend(
+        set(r.uplink) | {f"model.{k}" for k in r.uplink["model"]} for r in results) or original(
+        self, info, state, results))
+    samples = _spy_samples(monkeypatch)
+    starts = _spy_starts(monkeypatch)
+    archs = ("vit_mini_s", "vit_mini", "vit_mini_l")
+    full = _hetero(hetero_files, tmp_path / "full", archs, share="head")
+    assert uplinks and all(u == {"logits", "labels", "model", "model.head.weight", "model.head.bias"} for u in uplinks)
+    groups = full.server_state[SHARED]
+    assert sorted(g["head.weight"].shape[1] for g in groups.values()) == [32, 64, 80]
+    mine = full.personal_states
+    for group in ((0, 4), (1, 3), (2,)):
+        (avg,) = [g for g in groups.values() if g["head.weight"].shape == mine[group[0]]["head.weight"].shape]
+        total = sum(samples[c] for c in group)
+        for k, v in avg.items():
+            want = sum(samples[c] * mine[c][k].double() for c in group) / total
+            assert torch.allclose(v.double(), want, rtol=0, atol=1e-6), (group, k)
+    round2 = dict(starts[5:10])                                             # heads loaded at round 2's start
+    assert torch.equal(round2[0]["head.weight"], round2[4]["head.weight"])
+    assert torch.equal(round2[1]["head.weight"], round2[3]["head.weight"])
+    assert not torch.equal(round2[0]["prompts.0"], round2[4]["prompts.0"])  # +H: prompts stay personal
+    m = full.metrics
+    _check_rows(m)
+    ups = m[m.metric == "upload_count"].set_index(["round", "client"])["value"]
+    sent = m[(m.metric == "upload_numbers") & (m.client >= 0)].set_index(["round", "client"])["value"]
+    head = pd.Series({c: C * d + C for c, d in enumerate([32, 64, 80, 64, 32])})   # the head's weight and bias
+    assert (sent == ups * (C + 1) + head.reindex(ups.index, level="client")).all()
+    assert _hetero(hetero_files, tmp_path / "cut", archs, stop=1, share="head") is None
+    resumed = _hetero(hetero_files, tmp_path / "cut", archs, share="head")
+    pd.testing.assert_frame_equal(full.metrics, resumed.metrics)
+    for c, state in full.client_states.items():
+        for k, v in state["model"].items():
+            assert torch.equal(v, resumed.client_states[c]["model"][k]), (c, k)
+    for sig, g in groups.items():
+        assert all(torch.equal(v, resumed.server_state[SHARED][sig][k]) for k, v in g.items())

@@ -14,6 +14,7 @@ from fedcore.constraints import violations
 from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
 from fedcore.data.embedded import build_embedded
 from fedcore.engine.data import DeviceSplit, InputPipeline
+from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import ExtraData, FitResult, RoundInfo, payload_numbers
 from fedcore.methods.fedmd import FedMD, FedMDClient, FedMDServer, consensus_of, digest_loss
 from fedcore.train import train_run
@@ -74,6 +75,22 @@ def test_server_draws_a_seeded_subset_and_averages_the_uploads_on_it():
     with pytest.raises(RuntimeError, match="client 0 uploaded logits on other public rows"):
         server.aggregate(info, state, bad)
     assert torch.equal(_method().strategy.subset(info), torch.arange(540))  # public_subset null: every row
+
+
+def test_a_public_pass_skips_a_last_batch_of_one_sample_when_the_model_trains_batchnorm():
+    method = _method()
+    model = method.model_for(0).train()
+    named = dict(model.named_parameters())
+    params = [named[k] for k in method.trainable_keys(0)]
+    rows = torch.arange(17)                                              # 16 + 1 at batch size 16
+    downlink = {"consensus": torch.zeros(17, C + P), "consensus_index": rows}
+    data = ClientData(0, 17, lambda: iter(()), torch.Generator().manual_seed(0))
+    settings = TrainSettings(1, 16, {"name": "sgd", "lr": 0.01})
+    seen = []
+    original = model.forward
+    model.forward = lambda x: (seen.append(len(x)), original(x))[1]     # type: ignore[method-assign]
+    loss = method.client.digest(model, params, downlink, data, settings)  # torch raised on the batch of one
+    assert seen == [16] and loss == loss
 
 
 @pytest.mark.parametrize("classes, per_sample", [(10, 21), (100, 111)])

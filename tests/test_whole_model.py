@@ -68,3 +68,15 @@ def test_a_last_batch_of_one_sample_is_skipped_only_when_batchnorm_trains(hetero
     assert np.isfinite(res.metrics["value"]).all()
     assert trains_batchnorm(FedAvg(_adapter("resnet_mini_18", 1), 4).model)
     assert not trains_batchnorm(FedAvg(_adapter("vit_mini", 1), 4).model)
+
+
+def test_pool_projection_averages_groups_of_features_without_parameters():
+    from fedcore.methods.base import FeaturePool, WholeModelClassifier
+
+    x = torch.arange(16.0).reshape(2, 8)
+    assert torch.equal(FeaturePool(2)(x), torch.tensor([[1.5, 5.5], [9.5, 13.5]]))   # means of 4
+    pooled = WholeModelClassifier(torch.nn.Identity(), 8, 3, common_dim=2, projection="pool")
+    linear = WholeModelClassifier(torch.nn.Identity(), 8, 3, common_dim=2)
+    assert sum(p.numel() for p in pooled.parameters()) == 2 * 3 + 3                   # the head only
+    assert sum(p.numel() for p in linear.parameters()) == 8 * 2 + 2 + 2 * 3 + 3
+    assert torch.allclose(pooled.features(x), FeaturePool(2)(x))

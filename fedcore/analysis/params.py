@@ -34,7 +34,7 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
 
     source torchvision|timm: the whole classifier with `num_classes` outputs (FedAvg trains all of it);
     source method: the method's trainable model around the frozen prompt adapter of `arch` (ViT or ResNet),
-    built with `params`.
+    built with `params` (and the experiment's `input_size`, if any: FedHPL's pad prompt depends on it).
     """
     source, arch, classes = spec["source"], spec.get("arch"), int(spec["num_classes"])
     if source == "torchvision":
@@ -50,7 +50,8 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
         from fedcore.methods import method_class
 
         cls = method_class(spec.get("base", spec["method"]))
-        return cls(prompt_adapter(build_backbone(arch)), classes, dict(spec.get("params") or {})).model
+        backbone = build_backbone(arch, input_size=spec.get("input_size"))  # the experiment's, if it sets one
+        return cls(prompt_adapter(backbone), classes, dict(spec.get("params") or {})).model
     raise ValueError(f"unknown model source {source!r}; expected torchvision, timm or method")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import zipfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -28,6 +28,9 @@ from fedcore.io import rebuild_hint, unreadable
 
 FAMILIES = ("vit", "resnet", "clip")
 SOURCES = ("timm", "torchvision", "open_clip", "fedcore")
+# Families that take any input size (global pooling): a run may feed them images of another size than their
+# weights' (FedHPL Fig. 10's ResNets at 32 px); a ViT's or CLIP's position embedding fixes theirs.
+ANY_INPUT_SIZE = ("resnet",)
 
 IN21K_NORM = dict(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))  # Google's ViTs are trained on [-1, 1] inputs
 IMAGENET_NORM = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
@@ -492,16 +495,27 @@ def _attach_cfg(model: nn.Module, arch: str, tag: str, cfg: PretrainedCfg) -> No
 
 
 def build_backbone(arch: str, weights: str | Path | None = None, tag: str | None = None,
-                   sha256: str | None = None) -> nn.Module:
+                   input_size: int | None = None, sha256: str | None = None) -> nn.Module:
     """Build `arch` headless, loading `weights` from a local file (strictly) if given; never downloads.
 
     `tag` (default: the arch's default tag) picks the input contract recorded on the model
     (``model.pretrained_cfg``: input_size, mean, std), read back by ``backbone_info``/``input_cfg``, and the
-    file's key layout (``PretrainedCfg.layout``). `sha256`: the digest the file must have (``check_sha256``).
+    file's key layout (``PretrainedCfg.layout``).
+    `input_size` replaces the weights' image size in that contract (families in ANY_INPUT_SIZE only): the run
+    then feeds the same weights images of that side. `sha256`: the digest the file must have (``check_sha256``).
     """
     spec = arch_spec(arch)
     tag = spec.default_tag if tag is None else tag
     cfg = pretrained_cfg(arch, tag)
+    if input_size is not None:
+        if spec.family not in ANY_INPUT_SIZE:
+            raise ValueError(f"input_size={input_size!r} for backbone arch {arch!r}: only families "
+                             f"{list(ANY_INPUT_SIZE)} take another input size than their weights' ({cfg.img_size} "
+                             f"px); a {spec.family}'s position embedding fixes its input size")
+        if isinstance(input_size, bool) or not isinstance(input_size, int) or input_size < 1:
+            raise ValueError(f"input_size for backbone arch {arch!r} must be an integer >= 1 (pixels), "
+                             f"got {input_size!r}")
+        cfg = replace(cfg, img_size=input_size)
     if sha256 is not None and weights is None:
         raise ValueError(f"a sha256 was given for arch {arch!r} but no weight file to check")
     path = None if weights is None else _check_file(arch, weights, cfg, sha256)

@@ -96,6 +96,7 @@ class PersonalEvaluator(Evaluator):
 
 # ---- methods that train the entire model ------------------------------------------------------------
 INITS = ("pretrained", "random")
+PROJECTIONS = ("linear", "pool")
 
 
 def raw_backbone(adapter: nn.Module) -> nn.Module:
@@ -118,15 +119,31 @@ def random_weights(net: nn.Module) -> None:
     net.load_state_dict(fresh.state_dict())
 
 
+class FeaturePool(nn.Module):
+    """A parameter-free projection to ``width`` features: adaptive average pooling over the feature axis
+    (HtFLlib's heterogeneous ResNets reach 512 features this way: ResNet-50's 2,048 become 512 means of 4)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, F) -> (B, width)."""
+        return self.pool(x.unsqueeze(1)).squeeze(1)
+
+
 class WholeModelClassifier(nn.Module):
     """The entire backbone (trainable, BatchNorm in train mode), an optional projection to a common feature
     width (heterogeneous clients sharing a head shape, as HtFLlib's models), and a linear head."""
 
-    def __init__(self, net: nn.Module, feature_dim: int, num_classes: int, common_dim: int | None = None) -> None:
+    def __init__(self, net: nn.Module, feature_dim: int, num_classes: int, common_dim: int | None = None,
+                 projection: str = "linear") -> None:
         super().__init__()
         self.net = net
         net.requires_grad_(True)
-        self.proj = nn.Linear(feature_dim, common_dim) if common_dim and common_dim != feature_dim else nn.Identity()
+        self.proj: nn.Module = nn.Identity()
+        if common_dim and common_dim != feature_dim:
+            self.proj = nn.Linear(feature_dim, common_dim) if projection == "linear" else FeaturePool(common_dim)
         self.feature_dim = common_dim or feature_dim
         self.head = nn.Linear(self.feature_dim, num_classes)
 
@@ -145,12 +162,14 @@ class WholeModelMethod(Method):
 
     The backbone module is the run's private copy, taken out of its frozen adapter; clients sharing an
     architecture take turns on it and each keeps (or receives) its complete state, BatchNorm statistics included.
-    ``common_dim`` (None: each backbone's own width) adds a linear projection so that clients of different
-    widths share one feature width and head shape.
+    ``common_dim`` (None: each backbone's own width) adds a projection so that clients of different widths share
+    one feature width and head shape: a trained linear layer (``projection: linear``) or HtFLlib's parameter-free
+    average pooling over the feature axis (``pool``; FedHPL Table 7's FedGen and FedTGP counts are exactly
+    ResNet + head, so the paper's runs pooled).
     """
 
-    defaults = {"init": "pretrained", "common_dim": None}
-    param_rules = {"init": Choice(INITS), "common_dim": Int(1, optional=True)}
+    defaults = {"init": "pretrained", "common_dim": None, "projection": "linear"}
+    param_rules = {"init": Choice(INITS), "common_dim": Int(1, optional=True), "projection": Choice(PROJECTIONS)}
 
     @property
     def head_classes(self) -> int:
@@ -159,17 +178,19 @@ class WholeModelMethod(Method):
 
     def build(self, backbone: nn.Module) -> nn.Module:
         """The trainable classifier around ``backbone``'s raw network."""
-        return whole_model(backbone, self.head_classes, self.params["init"], self.params["common_dim"])
+        return whole_model(backbone, self.head_classes, self.params["init"], self.params["common_dim"],
+                           self.params.get("projection", "linear"))
 
 
-def whole_model(backbone: nn.Module, num_classes: int, init: str, common_dim: int | None) -> WholeModelClassifier:
+def whole_model(backbone: nn.Module, num_classes: int, init: str, common_dim: int | None,
+                projection: str = "linear") -> WholeModelClassifier:
     """The entire-model classifier around a prompt adapter's raw network: its weights as loaded
     (``init: pretrained``) or a fresh draw of the architecture (``random``), projected to ``common_dim``."""
     net = raw_backbone(backbone)
     if init == "random":
         random_weights(net)
     return WholeModelClassifier(net, int(backbone.feature_dim), num_classes,
-                                None if common_dim is None else int(common_dim))
+                                None if common_dim is None else int(common_dim), projection)
 
 
 # ---- prototype methods (FedProto, FedTGP): entire models whose per-class mean features are exchanged -----

@@ -10,8 +10,8 @@ statistics) -> ReLU -> Linear(hidden_dim, feature_dim), z ~ U[0, 1)^noise_dim (F
 Client update (CE + FedGen's regulariser on the head). Per batch:
 CE(f_k(x), y) + CE(h_k(G(z, ŷ)), ŷ), with ``generator_batch_size`` labels ŷ drawn with replacement in proportion
 to the label counts of all clients and fresh noise z, G frozen (no gradient reaches it); the regulariser acts
-through the head only, and only once the server has trained G (round 1 is CE only). Optimiser: the experiment's,
-fresh each round.
+through the head only, and only once the server has trained G (round 1 is CE only). Optimiser: the experiment's
+(FedHPL §2: SGD, momentum 0.9, weight decay), fresh each round (HtFLlib: a fresh plain SGD at the same lr).
 
 Upload. The trained head (C·d + C: 5130 at d = 512, C = 10) and the client's label counts n_{k,c} (C numbers;
 Table 9 counts them as |D_k| labels).
@@ -33,14 +33,21 @@ Choices where the paper (and FedHPL) is silent, recorded in DEVIATIONS.md (FedHP
 * ``noise_dim`` 512, not HtFLlib's tuned 32: with hidden 512 and feature 512 it gives Table 9's G of 0.507 M
   (C = 10) and 0.551 M (C = 100) exactly (HtFLlib's default noise_dim), 32 gives 0.272 M / 0.316 M.
 * Round 1 is CE only (the original FedGen regularises from round 2 on); HtFLlib already regularises in round 1
-  with the untrained G.
+  with the untrained G. HtFLlib's stored ``servergen.py`` never saves G after training it, so its clients use the
+  initial, untrained G in every round (and its server restarts from it); PFLlib's FedGen and FedGen's code keep
+  the trained G, as we do.
 * Teacher weights by label count (FedGen paper); HtFLlib weighs by sample count (``teacher_weights: samples``).
-* G's Adam state persists across rounds (FedGen's server keeps one optimiser); HtFLlib makes a fresh one each
-  round (``keep_generator_optimizer: false``).
+* The server's loss is CE of the weighted ensemble of the heads' logits (HtFLlib, PFLlib; the FedGen paper's
+  objective). FedGen's code instead sums each teacher's CE weighted by w_{k,y}, adds a diversity loss and draws
+  its labels uniformly over the labels some selected client saw while training; we draw in proportion to the
+  label counts (HtFLlib) and add no diversity loss.
+* G's Adam state persists across rounds (FedGen's server and PFLlib keep one optimiser); HtFLlib makes a fresh
+  one each round (``keep_generator_optimizer: false``).
 * The server draws its labels from the round's uploaders only (every drawn label has a teacher); the clients
   draw from every client's counts known to the server.
 * ``generator_batch_size`` 16 for the server's steps and the client's regulariser (HtFLlib: the local batch
-  size; spec §2: bs 16); G's BatchNorm always uses batch statistics (HtFLlib keeps G in train mode).
+  size; spec §2: bs 16); G's BatchNorm always uses batch statistics (HtFLlib keeps G in train mode; FedGen's
+  code puts G in eval mode on the clients, so their regulariser reads G's running statistics).
 """
 from __future__ import annotations
 

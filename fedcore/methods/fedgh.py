@@ -6,7 +6,8 @@ Model. Every client trains its entire model (``WholeModelMethod``: its own ResNe
 behind one global linear head H_g (``GlobalHeadMethod``).
 
 Client update. The client's head is replaced by H_g, then the whole model (extractor and that head) trains with CE
-for the local epochs, a fresh optimiser each round (HtFLlib); the locally trained head is discarded.
+for the local epochs with the experiment's optimiser (FedHPL §2: SGD, momentum 0.9, weight decay), fresh each round
+(HtFLlib: a fresh plain SGD at the same lr); the locally trained head is discarded.
 
 Upload. After training, one pass over the client's train set (eval mode, no augmentation, no gradient): per class
 present the mean representation (the head's input) and the class label: C·d + C = 5130 at d = 512, C = 10
@@ -24,7 +25,10 @@ Choices where the paper (and FedHPL) is silent, recorded in DEVIATIONS.md (FedHP
   at the server, whatever the client's size (HtFLlib).
 * ``server_batch_size`` 16 (HtFLlib: the local batch size; spec §2: bs 16); the server's shuffle is seeded by
   (run seed, round).
-* Representations are averaged in float32 in eval mode (BatchNorm statistics, HtFLlib's ``collect_protos``).
+* Representations are taken in eval mode (BatchNorm statistics, HtFLlib's ``collect_protos``), averaged in
+  float64 and sent in float32.
+* The alignment layer is our ``common_dim`` Linear (identity on ResNet18/34 at 512, 2048 -> 512 on ResNet50);
+  HtFLlib uses a parameter-free ``AdaptiveAvgPool1d`` there. Table 7's FedGH rows match neither.
 """
 from __future__ import annotations
 

@@ -26,17 +26,31 @@ Server (§1.6, Eqs. 7, 8, 36). β_{k,j} = min(d_k/d_j, d_j/d_k), d the backbones
 or β ≡ 1 (``beta: uniform``, Fig. 3(c)'s average aggregation). p̃_{k,c} = Σ_j β_{k,j} S_{j,c} / (1 + Σ_j β_{k,j}
 |D̃_{j,c}|), with S_{j,c} the sum of client j's uploaded class-c logits and |D̃_{j,c}| their number (§8.1); the
 "All" and "Average" uploads give the same sums. The server state holds these logits and the round's upload
-counts only: no model tensor ever leaves a client. Every round the counts are logged (Table 10:
-``upload_count`` = |D̃_k| and ``upload_count_class<c>``; the engine logs ``upload_numbers``, the numbers sent).
+counts only: no model tensor ever leaves a client (except with +P / +H, below). Every round the counts are
+logged (Table 10: ``upload_count`` = |D̃_k| and ``upload_count_class<c>``; the engine logs ``upload_numbers``,
+the numbers sent).
 
 Evaluation (§3.3): each client's own model (``personalized``); with ``evaluation: {global_test:
 official_test, per_class: true}`` every client is scored on the full test set, per client (mean, min, max
 over clients) and per class.
 
++P / +H (§1.9, Table 3(e); ``share: prompts | head``, default ``none``). Besides its logits, each client uploads
+its prompts (ViT prompt tokens or ResNet pad pixels) or its head. The server groups the uploaded tensors by
+their shapes (same names and shapes: same backbone width, so hetvit gives {ViT-S: 0, 4}, {ViT-B: 1, 3}, {ViT-L:
+2}, homo one group of all; grouped by shape, not by architecture name) and averages each group weighted by the
+clients' sample counts (§8.18; a singleton group keeps its own tensors). At the start of its next round every
+client of a group overwrites its copy with the group's average (``Client.start``); its evaluation at the end of
+a round scores its model with that average in place (after the round's aggregation, as PFLlib scores
+personalised methods). The logit distillation is unchanged.
+
 Choices where the paper is silent (DEVIATIONS.md, FedHPL): the optimiser state persists across rounds
 (``keep_optimizer``, §1.7; then clients train one by one); the server uses the uploads of the round's
 clients only (the paper has all 5 every round); pad pixels start at zero (``pad_init``); the upload pass
 reuses the client's round batch order; logits travel in float32 and the server sums them in float64.
++P / +H: a group's average goes to every client whose tensors have its shapes, also one that did not take
+part in the round (FedAvg within the group), and a group none of whose clients took part keeps its previous
+average; the kept optimiser state (momentum) is not averaged; ``upload_numbers`` counts every number sent,
+the shared tensors included.
 """
 from __future__ import annotations
 
@@ -48,8 +62,10 @@ from torch import Tensor, nn
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.resnet import PromptedResNet
 from fedcore.constraints import Choice, Flag, Int, Number
+from fedcore.engine.aggregation import weighted_average
 from fedcore.engine.optim import ClientData
-from fedcore.engine.roles import FitResult, Method, Payload, RoundContext, RoundInfo, Strategy
+from fedcore.engine.roles import (FitResult, Method, Payload, RoundContext, RoundInfo, State, Strategy, load_state,
+                                  module_state)
 from fedcore.methods.base import (TEACHER, TEACHER_MASK, DistillClient, PersonalEvaluator, PromptClassifier,
                                   per_class_sums, with_teacher)
 
@@ -57,6 +73,10 @@ UPLOADS = ("All", "Average")
 BETAS = ("dims", "uniform")
 DEPTHS = ("deep", "shallow")
 PAD_INITS = ("zeros", "normal")
+SHARES = ("none", "prompts", "head")   # +P / +H (Table 3(e))
+#: state-key prefixes of what ``share`` names: ViT prompt tokens or ResNet pad pixels, the linear head
+SHARED_PREFIXES = {"none": (), "prompts": ("prompts.", "pad."), "head": ("head.",)}
+SHARED = "shared"   # downlink and server-state key of the +P / +H group averages
 
 
 # ---- the client's model -----------------------------------------------------------------------------
@@ -116,9 +136,24 @@ def global_logits(sums: Tensor, counts: Tensor, beta: Tensor) -> tuple[Tensor, T
     return num / (1.0 + weight)[..., None], (weight > 0).to(sums.dtype)
 
 
+def shape_signature(tensors: State) -> str:
+    """The names and shapes of a set of tensors: clients with the same signature form one +P / +H group."""
+    return "|".join(f"{k}:{'x'.join(map(str, t.shape))}" for k, t in sorted(tensors.items()))
+
+
+def group_averages(results: Sequence[FitResult]) -> dict[str, State]:
+    """Per shape signature, the sample-weighted average of the uplinks' ``model`` tensors (§8.18)."""
+    groups: dict[str, list[FitResult]] = {}
+    for r in results:
+        groups.setdefault(shape_signature(r.uplink["model"]), []).append(r)
+    return {sig: weighted_average([r.uplink["model"] for r in rs], [float(r.num_samples) for r in rs])
+            for sig, rs in groups.items()}
+
+
 # ---- roles --------------------------------------------------------------------------------------------
 class FedHPLClient(DistillClient):
-    """CE + logit distillation on prompts and head; uploads per-class knowledge (logits), never tensors of its model."""
+    """CE + logit distillation on prompts and head; uploads per-class knowledge (logits), and no tensor of its
+    model unless ``share`` names one (+P: the prompts, +H: the head)."""
 
     #: clients sharing one backbone may train together when the optimiser is fresh each round (see module doc)
     batchable = True
@@ -128,26 +163,51 @@ class FedHPLClient(DistillClient):
         """Whether each client's optimiser state persists across rounds (spec §1.7)."""
         return bool(self.params["keep_optimizer"])
 
+    def shared_keys(self, keys: list[str]) -> list[str]:
+        """The prompts (+P) or the head (+H) besides the logits; nothing of the model by default."""
+        prefixes = SHARED_PREFIXES[self.params["share"]]
+        return [k for k in keys if k.startswith(prefixes)] if prefixes else []
+
+    def start(self, model: nn.Module, cid: int, state: Payload, downlink: Payload) -> None:
+        """The teacher, the client's own tensors, then (+P / +H) its group's average over its own copy."""
+        super().start(model, cid, state, downlink)
+        load_state(model, downlink.get(SHARED, {}))
+
     def upload(self, model: nn.Module, cid: int, data: ClientData, stats: dict[str, float]) -> Payload:
-        """The correctly predicted logits (or all, for Fig. 3(c)), as "All" or "Average"."""
+        """The correctly predicted logits (or all, for Fig. 3(c)), as "All" or "Average"; +P / +H: the model's
+        prompts or head too."""
         logits, labels = self.local_logits(model, data)
         if self.params["upload_correct_only"]:
             keep = logits.argmax(dim=1) == labels
             logits, labels = logits[keep], labels[keep]
         if self.params["upload"] == "Average":
-            return upload_average(logits, labels, self.method.num_classes)
-        return upload_all(logits, labels)
+            up = upload_average(logits, labels, self.method.num_classes)
+        else:
+            up = upload_all(logits, labels)
+        shared = self.shared_keys(self.method.keys(cid))
+        return {**up, "model": module_state(model, shared)} if shared else up
 
 
 class FedHPLServer(Strategy):
     """Weighted knowledge aggregation: client-specific per-class logits from every uploaded logit."""
 
     def init_state(self, num_clients: int) -> Payload:
-        """No teacher yet (round 1 is CE only), no uploads."""
+        """No teacher yet (round 1 is CE only), no uploads; +P / +H: no group average yet."""
         c = self.method.num_classes
-        return {"logits": torch.zeros(num_clients, c, c), "mask": torch.zeros(num_clients, c),
-                "counts": torch.zeros(num_clients, c),
-                "uploaded": torch.zeros(num_clients, dtype=torch.bool)}
+        state = {"logits": torch.zeros(num_clients, c, c), "mask": torch.zeros(num_clients, c),
+                 "counts": torch.zeros(num_clients, c), "uploaded": torch.zeros(num_clients, dtype=torch.bool)}
+        return {**state, SHARED: {}} if self.sharing else state
+
+    @property
+    def sharing(self) -> bool:
+        """Whether clients also upload model tensors (+P / +H)."""
+        return self.params["share"] != "none"
+
+    def signature(self, cid: int) -> str:
+        """Which +P / +H group client ``cid`` belongs to: the shapes of its shared tensors (from the recipe, so a
+        client that did not take part in a round still finds its group)."""
+        m = self.method
+        return shape_signature(m.initial_state(cid, m.client.shared_keys(m.keys(cid))))
 
     def beta(self, num_clients: int) -> Tensor:
         """β (K, K) from each client's backbone feature dim, or all ones (``beta: uniform``)."""
@@ -156,8 +216,11 @@ class FedHPLServer(Strategy):
         return beta_matrix([self.method.model_for(k).backbone.feature_dim for k in range(num_clients)])
 
     def configure(self, state: Payload, cid: int) -> Payload:
-        """Client ``cid``'s teacher logits p̃_k (C, C) and which classes have one."""
-        return {"model": {TEACHER: state["logits"][cid], TEACHER_MASK: state["mask"][cid]}}
+        """Client ``cid``'s teacher logits p̃_k (C, C) and which classes have one; +P / +H: its group's average
+        (once there is one)."""
+        down: Payload = {"model": {TEACHER: state["logits"][cid], TEACHER_MASK: state["mask"][cid]}}
+        average = state[SHARED].get(self.signature(cid)) if self.sharing else None
+        return {**down, SHARED: average} if average is not None else down
 
     def aggregate(self, info: RoundInfo, state: Payload, results: list[FitResult]) -> Payload:
         """Eq. 8 over the round's uploads; clients that did not take part contribute nothing."""
@@ -169,11 +232,15 @@ class FedHPLServer(Strategy):
             s, n = class_sums(r.uplink, c)
             sums[r.cid], counts[r.cid], uploaded[r.cid] = s.cpu(), n.cpu(), True
         logits, mask = global_logits(sums, counts, self.beta(k))
-        return {"logits": logits.float(), "mask": mask.float(), "counts": counts.float(), "uploaded": uploaded}
+        new = {"logits": logits.float(), "mask": mask.float(), "counts": counts.float(), "uploaded": uploaded}
+        if self.sharing:   # groups without a client this round keep their previous average
+            new[SHARED] = {**state[SHARED], **group_averages(results)}
+        return new
 
 
 class FedHPLEvaluator(PersonalEvaluator):
-    """Each client's own model; logs the round's upload counts (Table 10)."""
+    """Each client's own model (+P / +H: with its group's average, the state its copy has after the round's
+    aggregation, as PFLlib's personalised methods are scored); logs the round's upload counts (Table 10)."""
 
     def round_rows(self, ctx: RoundContext, model: nn.Module, server: Payload) -> list[tuple[int, str, str, float]]:
         """|D̃_k| and |D̃_{k,c}| per uploading client."""
@@ -200,6 +267,7 @@ class FedHPL(Method):
         "upload_correct_only": True,    # false: Fig. 3(c)'s "upload all logits"
         "beta": "dims",                 # dims (Eq. 7) | uniform (Fig. 3(c)'s average aggregation)
         "keep_optimizer": True,         # each client's optimiser state persists across rounds (§1.7)
+        "share": "none",                # none | prompts (+P) | head (+H): also averaged per same-shape group
     }
     client_role = FedHPLClient
     strategy_role = FedHPLServer
@@ -216,6 +284,7 @@ class FedHPL(Method):
         "upload_correct_only": Flag(),
         "beta": Choice(BETAS),
         "keep_optimizer": Flag(),
+        "share": Choice(SHARES),
     }
 
     def build(self, backbone: nn.Module) -> nn.Module:
@@ -230,5 +299,5 @@ class FedHPL(Method):
         return with_teacher(model, c)
 
 
-__all__ = ["FedHPL", "PaddedResNetClassifier", "beta_matrix", "class_sums",
-           "global_logits", "upload_all", "upload_average"]
+__all__ = ["FedHPL", "PaddedResNetClassifier", "beta_matrix", "class_sums", "global_logits", "group_averages",
+           "shape_signature", "upload_all", "upload_average"]

@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from fedcore.constraints import Constraint, Int, RunFacts, Violation
 from fedcore.data.facts import FACTS, dataset_facts
 from fedcore.engine.data import Batch, iterate_batches
+from fedcore.engine.loop import trains_batchnorm
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import (Client, ExtraData, FitResult, Payload, RoundInfo, Strategy,
                                   module_state)
@@ -79,18 +80,22 @@ class FedMDClient(Client):
     def _public(self) -> ExtraData:
         return self.method.public_data
 
-    def _public_batches(self, idx: Tensor, data: ClientData, settings: TrainSettings) -> ClientData:
-        """Shuffled batches of the public rows ``idx``, drawn from the client's round generator."""
+    def _public_batches(self, model: nn.Module, idx: Tensor, data: ClientData, settings: TrainSettings) -> ClientData:
+        """Shuffled batches of the public rows ``idx``, drawn from the client's round generator; a last batch of
+        one sample is skipped when ``model`` trains BatchNorm (torch cannot normalise it; the engine's rule for
+        the private data)."""
         pub = self._public()
         idx = idx.to(pub.split.y.device)
+        least = 2 if trains_batchnorm(model) else 1
         return ClientData(data.cid, len(idx), lambda: iterate_batches(pub.split, idx, settings.batch_size,
-                                                                      pub.pipeline, data.generator), data.generator)
+                                                                      pub.pipeline, data.generator, min_batch=least),
+                          data.generator)
 
     def pretrain(self, model: nn.Module, params: list[nn.Parameter], data: ClientData,
                  settings: TrainSettings) -> float:
         """Transfer learning: ``pretrain_epochs`` of CE on every public sample, labels after the n_c private ones."""
         pub, offset = self._public(), self.method.num_classes
-        batches = self._public_batches(torch.arange(len(pub.split.y)), data, settings)
+        batches = self._public_batches(model, torch.arange(len(pub.split.y)), data, settings)
         loss = lambda b: F.cross_entropy(model(b.x).float(), b.y + offset)  # noqa: E731
         return run_epochs(params, batches, settings, int(self.params["pretrain_epochs"]), loss)[0]["loss"]
 
@@ -104,7 +109,7 @@ class FedMDClient(Client):
 
         def loss(b: Batch) -> Tensor:
             return digest_loss(model(b.x).float(), target[b.index])
-        return run_epochs(params, self._public_batches(idx, data, settings), settings,
+        return run_epochs(params, self._public_batches(model, idx, data, settings), settings,
                           int(self.params["digest_epochs"]), loss)[0]["loss"]
 
     def revisit(self, model: nn.Module, params: list[nn.Parameter], data: ClientData,
@@ -191,9 +196,13 @@ class FedMD(WholeModelMethod):
       CIFAR-10 for CIFAR-100 and SVHN, SVHN for CIFAR-10; mini: ``digits_public``, the held-out digits rendered
       inverted); its train split is the public data. ``public_subset`` rows (None: all) are drawn each round
       from (seed, round), FedMD's N_alignment (5000 in its CIFAR runs).
-    * Every phase uses the experiment's optimiser, fresh (FedMD's code used Adam 1e-3 for the digest); the
-      transfer learning runs a fixed number of epochs, not to convergence, and is not repeated on private data
-      beyond round 1's revisit.
+    * Every phase uses the experiment's optimiser, fresh (FedMD's code used Adam 1e-3 for the digest), and the
+      experiment's batch size (FedMD's CIFAR code: 128 for transfer learning, 256 for the digest, 5 for the
+      revisit). The transfer learning runs a fixed number of epochs, not to convergence (FedMD: early stopping).
+    * FedMD's code then trains each model on its private data (up to 25 epochs, early stopping on the private
+      test set) before the first communication; here round 1's revisit (``revisit_epochs``) is the only private
+      training before the first upload.
+    * The n_p public classes come after the n_c private ones (FedMD's code puts them first): labels only.
     * Logits for the upload: eval mode (BatchNorm statistics), no augmentation; the digest reads the consensus
       in float32 (the server averages in float64).
     """

@@ -37,8 +37,8 @@ class FedProtoClient(PrototypeClient):
 
     def fit(self, cid: int, state: Payload, downlink: Payload, data: ClientData,
             settings: TrainSettings) -> tuple[Payload, FitResult]:
-        """Local epochs of the loss, summing each batch's (detached) features per class on the way, as FedProto
-        and HtFLlib collect the local prototypes; the uplink holds only those means (and labels)."""
+        """Local epochs of the loss, summing each batch's (detached) features per class on the way, as HtFLlib
+        collects the local prototypes; the uplink holds only those means (and labels)."""
         model = self.method.model_for(cid)
         self.start(model, cid, state, downlink)
         protos = getattr(model, PROTOS)
@@ -88,9 +88,11 @@ class FedProto(PrototypeMethod):
     all prototypes share one width, then a linear head. Loss per batch: CE(head(f), y) + λ · MSE(f, P̄_y) with
     f the projected feature, P̄ the global prototypes, λ = ``lam`` = 10 (HtFLlib's pre-tuned value), the MSE a
     mean over batch x width; a sample of a class without a global prototype adds no MSE (round 1: CE only).
-    Fresh optimiser each round (HtFLlib).
+    The experiment's optimiser (FedHPL §2: SGD with momentum 0.9 and weight decay), fresh each round (HtFLlib:
+    a fresh plain SGD at the same lr).
     Uploaded: per class present locally its label and the mean of the features computed while training (every
-    batch of every local epoch, detached, train mode), as FedProto's code and HtFLlib collect them; with
+    batch of every local epoch, detached, train mode), as HtFLlib collects them (FedProto's official code
+    restarts its lists every local epoch and so keeps the last epoch's: the same at E = 1); with
     ``weighting: samples`` also the class counts. No model tensor leaves a client.
     Aggregated: per class the mean of the round's uploaded prototypes; ``weighting: clients`` (default) weighs
     each client 1 (FedProto's code, HtFLlib), ``samples`` by its class count (the paper's Eq. weights clients by
@@ -99,6 +101,9 @@ class FedProto(PrototypeMethod):
     Evaluation (FedHPL spec §3.3, personalised): each client's own model on the full test set, predicting the
     nearest global prototype of its feature (squared Euclidean; HtFLlib's test), or with ``predict: head``
     its head.
+    ResNet50's 2048 features reach the common width through our Linear (``common_dim``); HtFLlib's models use
+    a parameter-free ``AdaptiveAvgPool1d`` for every client. Table 7's FedProto row (1 M more on each client)
+    matches neither.
     """
 
     name = "fedproto"

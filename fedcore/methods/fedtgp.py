@@ -134,6 +134,11 @@ class FedTGP(PrototypeMethod):
     Where the paper is silent: server lr and batch size are HtFLlib's (the clients' lr and batch size: defaults
     0.01 and 16, FedHPL's values; set them to the experiment's); distances use ``vector_norm`` of the difference
     (HtFLlib expands ‖a‖² - 2ab + ‖b‖², the same up to rounding, without its NaN at a negative rounding).
+    ResNet50's 2048 features reach the common width through HtFLlib's parameter-free ``AdaptiveAvgPool1d``
+    (``projection: pool`` in FedHPL's experiments; Table 7's FedTGP row, 22.424 M on R50, is exactly that model)
+    or a trained Linear (``projection: linear``, the default of every whole-model method).
+    The experiment's optimiser (FedHPL §2: momentum 0.9, weight decay) on the clients, where HtFLlib's use
+    plain SGD at the same lr.
     """
 
     name = "fedtgp"

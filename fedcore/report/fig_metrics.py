@@ -21,7 +21,7 @@ from fedcore.report.figures import metric_label
 from fedcore.report.plotting import (
     add_notes, err, has_value, mark_empty, missing_note, new_figure, run_value, set_caption,
 )
-from fedcore.report.tables import OK, cell_status, run_rows
+from fedcore.report.tables import OK, cell_status, replace_experiment, run_rows
 
 GFL_COLOR, PFL_COLOR, UNKNOWN_COLOR, OURS_COLOR = "tab:blue", "tab:orange", "tab:gray", "tab:red"
 MISSING_MARK = dict(marker="x", color="tab:gray", markersize=8, linestyle="none")
@@ -164,12 +164,13 @@ def selection_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str
 
 def sweep_points(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
                  implemented: set[str]) -> pd.DataFrame:
-    """One row per (series, setting): value, method, y (in %), std, n_seeds and status."""
+    """One row per (series, setting): value, method, y (in %), std, n_seeds and status; a point reads its own
+    ``experiment`` when it names one (a setting of the data), else the figure's."""
     rows = []
     for i, series in enumerate(fig_cfg["series"]):
         for p in sorted(series["points"], key=lambda q: q["value"]):
-            cell = run_value(metrics, p["method"], fig_cfg["experiment"], series["metric"], experiments, scale,
-                             implemented)
+            cell = run_value(metrics, p["method"], p.get("experiment", fig_cfg["experiment"]), series["metric"],
+                             experiments, scale, implemented)
             rows.append({"series": i, "value": float(p["value"]), "method": p["method"], "y": cell["ours"],
                          "std": err(cell), "n_seeds": cell["n_seeds"],
                          "status": OK if has_value(cell) else cell["status"]})
@@ -268,16 +269,26 @@ def class_accuracy(metrics: pd.DataFrame, experiment: str, exp_cfg: dict, method
     return per.sort_index(), OK
 
 
+def per_class_lines(fig_cfg: dict, panel: dict) -> list[tuple[str, str, str, str]]:
+    """A panel's lines as (key, label, method, experiment): one per ``methods`` entry in the panel's experiment,
+    or one per ``lines`` entry, its method in the panel's experiment with ``experiment_replace: [old, new]``."""
+    if "lines" not in fig_cfg:
+        return [(m, _label(fig_cfg, m), m, panel["experiment"]) for m in fig_cfg["methods"]]
+    return [(x["label"], x["label"], x["method"], replace_experiment(panel["experiment"], x.get("experiment_replace")))
+            for x in fig_cfg["lines"]]
+
+
 def per_class_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
                      implemented: set[str]) -> Figure:
     """One panel per experiment: x = class, y = final-round accuracy on that class's test images, one line per
-    method (a panel's rows are its methods' runs; missing ones are listed below the figure)."""
+    method or per configured line (missing ones are listed below the figure)."""
     panels = fig_cfg["panels"]
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = new_figure(nrows, ncols, panel=(4.6, 3.4), sharey=False)
-    methods = fig_cfg["methods"]
-    colors = {m: c for m, c in zip(methods, [f"C{i}" for i in range(len(methods))])}
+    keys = [key for key, *_ in per_class_lines(fig_cfg, panels[0])]
+    colors = {k: c for k, c in zip(keys, [f"C{i}" for i in range(len(keys))])}
+    labels = {key: label for key, label, *_ in per_class_lines(fig_cfg, panels[0])}
     missing, drawn = [], set()
     for k, ax in enumerate(axes.flat):
         if k >= len(panels):
@@ -286,14 +297,13 @@ def per_class_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str
         panel = panels[k]
         ax.set_title(panel["label"])
         any_line = False
-        for m in methods:
-            per, status = class_accuracy(metrics, panel["experiment"], experiments[panel["experiment"]], m, scale,
-                                         implemented)
+        for key, label, m, exp in per_class_lines(fig_cfg, panel):
+            per, status = class_accuracy(metrics, exp, experiments[exp], m, scale, implemented)
             if per is None:
-                missing.append((f"{panel['label']}: {_label(fig_cfg, m)}", status))
+                missing.append((f"{panel['label']}: {label}", status))
                 continue
-            ax.plot(per.index, per.to_numpy(), marker="o", ms=3, lw=1.2, color=colors[m], label=_label(fig_cfg, m))
-            drawn.add(m)
+            ax.plot(per.index, per.to_numpy(), marker="o", ms=3, lw=1.2, color=colors[key], label=label)
+            drawn.add(key)
             any_line = True
         if not any_line:
             mark_empty(ax, "no per-class accuracy")
@@ -302,7 +312,7 @@ def per_class_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str
         ax.grid(True, alpha=0.3)
     for row in axes:
         row[0].set_ylabel("final-round accuracy (%)")
-    handles = [Line2D([], [], color=colors[m], marker="o", ms=3, label=_label(fig_cfg, m)) for m in methods if m in drawn]
+    handles = [Line2D([], [], color=colors[k], marker="o", ms=3, label=labels[k]) for k in keys if k in drawn]
     if handles:
         # in the first panel's corner: a figure-level legend would sit on the caption
         axes.flat[0].legend(handles=handles, fontsize="x-small", ncol=2, loc="lower left", framealpha=0.8)

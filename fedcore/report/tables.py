@@ -273,8 +273,15 @@ def row_source(table_cfg: dict, row: str, col: dict) -> tuple[str, dict]:
     src = (table_cfg.get("row_sources") or {}).get(row)
     if src is None:
         return row, col
-    old, new = src.get("experiment_replace", ["", ""])
-    return src["method"], {**col, "experiment": col["experiment"].replace(old, new) if old else col["experiment"]}
+    return src["method"], {**col, "experiment": replace_experiment(col["experiment"], src.get("experiment_replace"))}
+
+
+def replace_experiment(experiment: str, replace: list[str] | None) -> str:
+    """``experiment`` with ``replace = [old, new]`` applied (a row or line that reads another experiment); as is
+    without one."""
+    if not replace or not replace[0]:
+        return experiment
+    return experiment.replace(replace[0], replace[1])
 
 
 def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, dict], scale: str,
