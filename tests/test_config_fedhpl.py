@@ -105,8 +105,10 @@ def test_parameter_tables_count_the_papers_models_exactly(both):
     # Table 7, FedHPL (224 px): the entire ResNet-18/34/50 + head + 8,172 pad pixels, 10 and 100 classes; the
     # paper's M = 2^20 at 3 decimals (10.671 / 20.311 / 22.446 / 10.715 / 20.355 / 22.622) rounds these
     totals = [model_counts(m)["total"] for m in both.param_count_models("fedhpl_table7")]
-    hpl = totals[-6:]
+    hpl, hpl32 = totals[-12:-6], totals[-6:]
     assert hpl == [11_189_814, 21_297_974, 23_536_694, 11_235_984, 21_344_144, 23_721_104]
+    assert [a - b for a, b in zip(hpl, hpl32)] == [8172 - 1260] * 6                   # the pad at 224 vs 32 px
+    assert [round(t / 2 ** 20, 3) for t in hpl32] == [10.665, 20.305, 22.44, 10.709, 20.349, 22.616]
     assert [round(t / 2 ** 20, 3) for t in hpl] == [10.671, 20.311, 22.446, 10.715, 20.355, 22.622]
     assert totals[0] == 11_176_512 + 512 * 10 + 10                                     # FedGen R18: 10.664 M
     # FedGen and FedTGP pool ResNet-50's features to 512 (HtFLlib's models): their rows are the paper's exactly
