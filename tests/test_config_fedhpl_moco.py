@@ -84,3 +84,16 @@ def test_table13_reads_the_ssl_run_at_the_supervised_budget_and_at_its_end(mini)
         if label.endswith("(1)"):
             twin = c["experiment"].replace("hpl_moco_", "hpl_")
             assert c["round"] == paper.train_params(twin, "fedhpl")["federation"]["rounds"], label
+
+
+@pytest.mark.parametrize("scale", ["mini", "paper"])
+def test_a_runs_clients_share_one_input_contract(mini, scale) -> None:
+    """train_run feeds every client one input: MoCo v3's ViT-S/B and MAE's ViT-L all expect ImageNet's mean/std."""
+    from fedcore.backbones.registry import input_cfg
+    from fedcore.config import run_backbones
+
+    cfg = mini.at_scale(scale)
+    for name in MOCO:
+        contracts = {tuple(input_cfg(cfg.backbones[b]["arch"], cfg.backbones[b].get("tag")).items())
+                     for b in run_backbones(cfg.experiments[name])}
+        assert len(contracts) == 1, name
