@@ -587,9 +587,9 @@ def _check_figure(fig: dict, experiments: dict, where: str, runnable: set[str]) 
         for k, point in enumerate(series["points"]):
             if "experiment" in point:
                 _check_name(point["experiment"], experiments, where, f"series[{j}].points[{k}].experiment")
-    for j, line in enumerate(fig.get("lines", [])):
-        from fedcore.report.tables import replace_experiment
+    from fedcore.report.tables import replace_experiment
 
+    for j, line in enumerate(fig.get("lines", [])):
         for panel in fig["panels"]:
             _check_name(replace_experiment(panel["experiment"], line.get("experiment_replace")), experiments, where,
                         f"lines[{j}].experiment_replace (panel {panel['label']!r})")

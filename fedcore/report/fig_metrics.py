@@ -286,9 +286,9 @@ def per_class_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = new_figure(nrows, ncols, panel=(4.6, 3.4), sharey=False)
-    keys = [key for key, *_ in per_class_lines(fig_cfg, panels[0])]
-    colors = {k: c for k, c in zip(keys, [f"C{i}" for i in range(len(keys))])}
     labels = {key: label for key, label, *_ in per_class_lines(fig_cfg, panels[0])}
+    keys = list(labels)
+    colors = {k: c for k, c in zip(keys, [f"C{i}" for i in range(len(keys))])}
     missing, drawn = [], set()
     for k, ax in enumerate(axes.flat):
         if k >= len(panels):
