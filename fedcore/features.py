@@ -50,6 +50,9 @@ def compute_select_queries(dataset_path: str | Path, arch: str, weights: str | P
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)
+    # full fp32 also inside CUDA kernels: TF32 (cuDNN's default for convolutions: the patch embedding) keeps
+    # bf16-like 10-bit mantissas; this job computes nothing else
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     vit = build_vit(arch, weights)
     depth = len(vit.blocks)
     if not 0 <= block < depth:
