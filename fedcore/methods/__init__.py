@@ -31,6 +31,8 @@ METHODS: dict[str, str] = {
     "fedtgp": "fedtgp",
     "fedgen": "fedgen",
     "fedgh": "fedgh",
+    "fedper": "fedper",
+    "fedbn": "fedbn",
 }
 
 
