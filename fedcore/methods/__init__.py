@@ -33,6 +33,7 @@ METHODS: dict[str, str] = {
     "fedgh": "fedgh",
     "fedper": "fedper",
     "fedbn": "fedbn",
+    "fedrod": "fedrod",
 }
 
 
