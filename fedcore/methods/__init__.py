@@ -34,6 +34,7 @@ METHODS: dict[str, str] = {
     "fedper": "fedper",
     "fedbn": "fedbn",
     "fedrod": "fedrod",
+    "fedamp": "fedamp",
 }
 
 
