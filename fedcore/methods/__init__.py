@@ -31,6 +31,10 @@ METHODS: dict[str, str] = {
     "fedtgp": "fedtgp",
     "fedgen": "fedgen",
     "fedgh": "fedgh",
+    "fedper": "fedper",
+    "fedbn": "fedbn",
+    "fedrod": "fedrod",
+    "fedamp": "fedamp",
 }
 
 
