@@ -31,6 +31,9 @@ METHODS: dict[str, str] = {
     "fedtgp": "fedtgp",
     "fedgen": "fedgen",
     "fedgh": "fedgh",
+    "pfedsd": "pfedsd",
+    "pfedgate": "pfedgate",
+    "fedcac": "fedcac",
 }
 
 
