@@ -35,6 +35,9 @@ METHODS: dict[str, str] = {
     "fedbn": "fedbn",
     "fedrod": "fedrod",
     "fedamp": "fedamp",
+    "pfedsd": "pfedsd",
+    "pfedgate": "pfedgate",
+    "fedcac": "fedcac",
 }
 
 
