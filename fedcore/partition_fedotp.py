@@ -200,3 +200,13 @@ def classname_order(num_classes: int, seed: int) -> np.ndarray:
     every run of a flagged experiment see the same wrong pairing, reproducibly.
     """
     return np.random.default_rng([int(seed), CLASSNAME_STREAM]).permutation(num_classes).astype(np.int64)
+
+
+def prompt_class_names(names: list[str], class_order: np.ndarray | None) -> list[str]:
+    """The class name that prompt k (the classifier's class k) is written with: ``names[k]``, in label order (the
+    correct pairing), or ``names[class_order[k]]`` for a partition made with bug_compat_classname_order."""
+    if class_order is None:
+        return list(names)
+    if len(class_order) != len(names):
+        raise ValueError(f"the partition's class_order has {len(class_order)} entries for {len(names)} class names")
+    return [names[int(j)] for j in class_order]

@@ -194,3 +194,38 @@ def test_classname_order_flag_is_a_fixed_permutation_beside_an_unchanged_partiti
     assert all(np.array_equal(x, y) for x, y in zip(good.train + good.test, bad.train + bad.test))
     bad.save(tmp_path / "p.npz")
     np.testing.assert_array_equal(Partition.load(tmp_path / "p.npz").class_order, bad.class_order)
+
+
+def test_paired_split_shows_the_partition_images_with_the_partition_labels():
+    """What a run trains on: the correct path keeps every (image, label) pair of the dataset; the flagged
+    partition pairs the domain's first images with the partition's labels."""
+    import torch
+
+    from fedcore.engine.data import DeviceSplit
+    from fedcore.train import paired_split
+
+    tr, te, trd, ted = _office_like()
+    x = torch.arange(len(tr)).view(-1, 1, 1, 1).expand(-1, 2, 2, 3).to(torch.uint8)  # image i "shows" i % 256
+    split = DeviceSplit(x=x, y=torch.as_tensor(tr), extras={"tok": torch.arange(len(tr)).float()})
+    spec = {"scheme": "domain", "clients_per_domain": 3, "alpha": 0.1, "fixed_seed": 0}
+    good = make_partition(spec, 0, tr, te, trd, ted)
+    same, idx = paired_split(split, good.train, good.train_images)
+    assert same is split
+    for a, i in zip(good.train, idx):
+        assert torch.equal(i, torch.as_tensor(a))
+    bad = make_partition({**spec, "bug_compat_office_labels": True}, 0, tr, te, trd, ted)
+    paired, idx = paired_split(split, bad.train, bad.train_images)
+    for a, img, i in zip(bad.train, bad.train_images, idx):
+        np.testing.assert_array_equal(paired.y[i].numpy(), tr[a])  # labels follow the partition
+        np.testing.assert_array_equal(paired.extras["tok"][i].numpy(), img)  # per-image data follows the image
+        np.testing.assert_array_equal(paired.x[i][:, 0, 0, 0].numpy(), (img % 256).astype(np.uint8))
+
+
+def test_prompt_class_names_label_order_or_the_flagged_permutation():
+    from fedcore.partition_fedotp import prompt_class_names
+
+    names = ["back_pack", "bike", "calculator", "headphones"]
+    assert prompt_class_names(names, None) == names
+    assert prompt_class_names(names, np.array([2, 0, 3, 1])) == ["calculator", "back_pack", "headphones", "bike"]
+    with pytest.raises(ValueError, match="3 entries for 4 class names"):
+        prompt_class_names(names, np.array([0, 1, 2]))
