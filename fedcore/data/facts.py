@@ -51,6 +51,11 @@ FACTS: dict[str, DatasetFacts] = {
     "fashion_mnist": DatasetFacts(10, 0, SplitFacts(60000, 6000), SplitFacts(10000, 1000)),
     "tiny_imagenet": DatasetFacts(200, 0, SplitFacts(100000, 500), SplitFacts(10000, 50)),
     "notmnist": DatasetFacts(10, 0, _UNKNOWN, _UNKNOWN),              # unreadable PNGs are skipped
+    # FedOTP's CLIP datasets, CoOp's splits (spec fedotp Table A1); DTD has 120 images per class (60 / 36)
+    "caltech101": DatasetFacts(100, 0, SplitFacts(4128, None), SplitFacts(2465, None)),
+    "flowers102": DatasetFacts(102, 0, SplitFacts(4093, None), SplitFacts(2463, None)),
+    "oxford_pets": DatasetFacts(37, 0, SplitFacts(2944, None), SplitFacts(3669, None)),
+    "dtd": DatasetFacts(47, 0, SplitFacts(2820, 60), SplitFacts(1692, 36)),
     "office_caltech10": DatasetFacts(10, 4, _UNKNOWN, _UNKNOWN),      # FedBN pickles
     "domainnet": DatasetFacts(10, 6, _UNKNOWN, _UNKNOWN),             # FedBN pickles
     "five_dataset": DatasetFacts(50, 5, _UNKNOWN, _UNKNOWN),          # holds notMNIST
