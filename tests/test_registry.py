@@ -191,8 +191,9 @@ def test_open_clip_config_as_kwargs(tmp_path, scratch_registry) -> None:
     torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("visual.proj")}, tmp_path / "bad.pt")
     with pytest.raises(WeightFileError, match=r"bad\.pt"):
         build_backbone("clip_tiny", tmp_path / "bad.pt")
-    with pytest.raises(NotImplementedError, match="FedOTP"):
-        prompt_adapter(model)
+    from fedcore.backbones.clip import PromptedCLIP
+
+    assert isinstance(prompt_adapter(model), PromptedCLIP)
 
 
 def test_open_clip_registered_config(tmp_path, scratch_registry) -> None:

@@ -563,7 +563,8 @@ def model_facts(model: nn.Module) -> dict:
 
 
 def prompt_adapter(model: nn.Module) -> nn.Module:
-    """The family's prompt adapter around a built backbone: PromptedViT (vit) or PromptedResNet (resnet)."""
+    """The family's prompt adapter around a built backbone: PromptedViT (vit), PromptedResNet (resnet) or
+    PromptedCLIP (clip: learnable text context, patch tokens for FedOTP's OT)."""
     family = model_family(model)
     if family == "vit":
         from fedcore.backbones.prompted import PromptedViT
@@ -573,5 +574,6 @@ def prompt_adapter(model: nn.Module) -> nn.Module:
         from fedcore.backbones.resnet import PromptedResNet
 
         return PromptedResNet(model)
-    raise NotImplementedError(f"no prompt adapter for the {family!r} family yet: the CLIP adapter (text prompts, "
-                              f"patch tokens for OT) comes with the FedOTP issue")
+    from fedcore.backbones.clip import PromptedCLIP
+
+    return PromptedCLIP(model)
