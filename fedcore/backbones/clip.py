@@ -43,6 +43,37 @@ def tokenize(texts: list[str], context_length: int) -> Tensor:
     return tok(texts)
 
 
+def encode_embedded_text(clip: nn.Module, x: Tensor, eot: Tensor) -> Tensor:
+    """CLIP's text encoder from embedded sequences x (N, L, W): + positions, causal mask, ln_final, EOT @ proj.
+
+    L may be shorter than the context length (cut after the last EOT): the causal mask is cut alike.
+    """
+    length = x.shape[1]
+    x = x + clip.positional_embedding[:length].to(x.dtype)
+    mask = clip.attn_mask
+    x = clip.transformer(x, attn_mask=None if mask is None else mask[:length, :length])
+    x = clip.ln_final(x)
+    x = x[torch.arange(x.shape[0], device=x.device), eot.to(x.device)]
+    proj = clip.text_projection
+    if proj is None:
+        return x
+    return proj(x) if isinstance(proj, nn.Linear) else x @ proj
+
+
+def encode_token_ids(clip: nn.Module, ids: Tensor) -> Tensor:
+    """CLIP's encode_text (unnormalised) of token ids (N, context_length), cut after the last EOT first."""
+    ids = ids.to(clip.token_embedding.weight.device)
+    eot = ids.argmax(dim=-1)
+    length = int(eot.max()) + 1
+    return encode_embedded_text(clip, clip.token_embedding(ids[:, :length]), eot)
+
+
+def clip_classnames(meta: dict) -> list[str]:
+    """The class names a CLIP prompt uses for a dataset: meta["clip_names"] where the bundle has them (the
+    embedded digits: "zero" .. "nine"), else its meta["classes"]."""
+    return list(meta.get("clip_names", meta["classes"]))
+
+
 class PromptedCLIP(nn.Module):
     """Wrap an open_clip ``CLIP`` (frozen, always in eval mode): patch tokens and CoOp-style prompted text."""
 
@@ -131,15 +162,12 @@ class PromptedCLIP(nn.Module):
         ctx = ctx.to(emb.dtype)
         x = torch.cat([emb[:, :1].expand(p, k, 1, -1), ctx.unsqueeze(1).expand(p, k, n_ctx, -1),
                        emb[:, 1 + n_ctx :].expand(p, k, -1, -1)], dim=2)
-        feats = self._encode_embedded(x.reshape(p * k, length, self.text_width), eot.repeat(p))
+        feats = encode_embedded_text(self.clip, x.reshape(p * k, length, self.text_width), eot.repeat(p))
         return feats.view(p, k, -1)
 
     def encode_text(self, texts: list[str]) -> Tensor:
         """(len(texts), embed_dim) unnormalised features of hand-written prompts (zero-shot CLIP)."""
-        ids = self._tokenize(texts).to(self.clip.token_embedding.weight.device)
-        eot = ids.argmax(dim=-1)
-        length = int(eot.max()) + 1
-        return self._encode_embedded(self.token_embedding(ids[:, :length]), eot)
+        return encode_token_ids(self.clip, self._tokenize(texts))
 
     def _tokenize(self, texts: list[str]) -> Tensor:
         """Ids of `texts` at the model's context length, checked against its vocabulary."""
@@ -147,17 +175,3 @@ class PromptedCLIP(nn.Module):
         if int(ids.max()) >= self.vocab_size:
             raise ValueError(f"the CLIP's vocabulary has {self.vocab_size} tokens, the BPE tokenizer needs 49408")
         return ids
-
-    def _encode_embedded(self, x: Tensor, eot: Tensor) -> Tensor:
-        """Text transformer on embedded sequences x (N, L, W): + positions, causal mask, ln_final, EOT @ proj."""
-        clip = self.clip
-        length = x.shape[1]
-        x = x + clip.positional_embedding[:length].to(x.dtype)
-        mask = clip.attn_mask
-        x = clip.transformer(x, attn_mask=None if mask is None else mask[:length, :length])
-        x = clip.ln_final(x)
-        x = x[torch.arange(x.shape[0], device=x.device), eot.to(x.device)]
-        proj = clip.text_projection
-        if proj is None:
-            return x
-        return proj(x) if isinstance(proj, nn.Linear) else x @ proj
