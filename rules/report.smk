@@ -24,6 +24,8 @@ def report_data(name, kind_input):
         return f"{RESULTS}/probes/{name}/congruence.csv"
     if kind_input == "partition":
         return partition_counts_file(CFG.figures[name]["experiment"], CFG.seeds[0])
+    if kind_input == "partitions":
+        return [partition_counts_file(p["experiment"], CFG.seeds[0]) for p in CFG.figures[name]["panels"]]
     raise ValueError(f"unknown report input {kind_input!r}")
 
 
@@ -45,9 +47,9 @@ def figure_inputs(wildcards):
     kind_input = figure_input(fig)
     if kind_input == "datasets":
         return {"datasets": report_bundles(fig), "code": REPORT_CODE}
-    if kind_input == "partitions":  # one partition file per panel's experiment, all on one dataset
+    if kind_input == "partition_files":  # one partition file per panel's experiment, all on one dataset
         exps = [CFG.experiments[p["experiment"]] for p in fig["panels"]]
-        return {"partitions": [partition_file(p["experiment"], CFG.seeds[0]) for p in fig["panels"]],
+        return {"partition_files": [partition_file(p["experiment"], CFG.seeds[0]) for p in fig["panels"]],
                 "dataset": dataset_file(exps[0]["dataset"]), "code": REPORT_CODE}
     return {kind_input: report_data(wildcards.name, kind_input), "code": REPORT_CODE}
 

@@ -83,7 +83,7 @@ def test_figures_a1_a2_render(tmp_path):
     assert counts["count"].sum() == len(b.train) and (counts["client"] == counts["domain"]).all()
     fig = {"kind": "partition_bubbles", "caption": "A2", "panels": [{"label": "a", "experiment": "x"},
                                                                    {"label": "b", "experiment": "y"}]}
-    render_figure(fig, {"partitions": paths, "dataset": str(tmp_path / "digits_styles4.npz")},
+    render_figure(fig, {"partition_files": paths, "dataset": str(tmp_path / "digits_styles4.npz")},
                   tmp_path / "a2.png", tmp_path / "a2.pdf", {})
     grid = {"kind": "image_grid", "caption": "A1", "panels": [{"label": "Office", "dataset": "office_caltech10",
                                                               "classes": 3}],

@@ -9,8 +9,9 @@ output when it changes):
     embedding   probe tsne .npz               figure tsne (Fig. 5)
     values      probe congruence CSV          figure congruence (Fig. 6a)
     partition   a partition's counts CSV      figure partition_counts (Fig. 7)
+    partitions  several partitions' counts    figure partition_grid (FedHPL Fig. 4), one CSV per panel
     datasets    dataset bundles               table dataset_stats (FedOTP Table A1), figure image_grid (Fig. A1)
-    partitions  partition files + a bundle    figure partition_bubbles (FedOTP Fig. A2)
+    partition_files  partitions + a bundle    figure partition_bubbles (FedOTP Fig. A2)
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ FIGURE_INPUT: dict[str, str] = {
     "accuracy_per_round": "metrics", "scatter": "metrics", "selection_counts": "metrics", "sweep": "metrics",
     "per_class": "metrics", "bars": "metrics",
     "tsne": "embedding", "congruence": "values", "partition_counts": "partition",
-    "image_grid": "datasets", "partition_bubbles": "partitions",
+    "partition_grid": "partitions",
+    "image_grid": "datasets", "partition_bubbles": "partition_files",
 }
 TABLE_INPUT: dict[str, str] = {"metrics": "metrics", "param_count": "counts", "dataset_stats": "datasets"}
 
@@ -87,6 +89,9 @@ def build_figure(fig_cfg: dict, path: str | os.PathLike, context: Mapping[str, A
         return fig_probes.tsne_figure(read_tsne(path), fig_cfg)
     if kind == "congruence":
         return fig_probes.congruence_figure(pd.read_csv(path), fig_cfg, scale)
+    if kind == "partition_grid":
+        return fig_probes.partition_grid_figure([pd.read_csv(p) for p in path], fig_cfg, context.get("seed"),
+                                                experiments, scale)
     return fig_probes.partition_figure(pd.read_csv(path), fig_cfg, context.get("seed"))
 
 
@@ -102,7 +107,7 @@ def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.Pa
         if kind == "image_grid":
             fig = data_outputs.image_grid_figure(fig_cfg, bundles_by_name(inputs["datasets"]))
         else:
-            parts = inputs["partitions"]
+            parts = inputs["partition_files"]
             parts = [parts] if isinstance(parts, (str, os.PathLike)) else list(parts)
             fig = data_outputs.partition_bubbles_figure(fig_cfg, inputs["dataset"], parts)
         save_figure(fig, out_png, out_pdf)
