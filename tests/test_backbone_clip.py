@@ -112,8 +112,14 @@ def test_bad_inputs_are_named(adapter) -> None:
 def test_paper_clip_shapes_and_quickgelu() -> None:
     from fedcore.backbones.registry import build_backbone
 
+    from fedcore.backbones.registry import CLIP_NORM
+    from fedcore.backbones.vit import backbone_info
+
     with torch.device("meta"):  # ViT-B/16's real shapes without allocating them
-        adapter = prompt_adapter(build_backbone("clip_vit_b16"))
+        model = build_backbone("clip_vit_b16")
+        adapter = prompt_adapter(model)
+    info = backbone_info(model)  # the input contract of the openai tag
+    assert (info["img_size"], info["mean"], info["std"], info["family"]) == (224, *CLIP_NORM.values(), "clip")
     assert (adapter.embed_dim, adapter.text_width, adapter.context_length) == (512, 512, 77)
     assert (adapter.num_patches, adapter.img_size, adapter.patch_size) == (196, 224, 16)
     acts = {type(m).__name__ for m in adapter.clip.modules() if "GELU" in type(m).__name__}
