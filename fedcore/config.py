@@ -528,6 +528,9 @@ def _load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: 
                 entry = deep_merge(entry, override)
                 where = f"{where} after {scale_file}"
             validate(entry, schema, definition, where)
+            if entry.get("kind") in ("dataset_stats", "image_grid"):  # data-only: the scale's dataset of each item
+                items = entry["rows"] if entry["kind"] == "dataset_stats" else entry["panels"]
+                entry["concrete"] = {x["dataset"]: scale["datasets"].get(x["dataset"]) for x in items}
             if kind == "tables":
                 _check_table(entry, resolved.experiments, where, runnable)
                 if entry.get("kind", "metrics") == "metrics":
@@ -558,6 +561,10 @@ def figure_experiments(fig: dict) -> list[str]:
                                      for p in fig["panels"] for x in fig.get("lines", [])]))
     if fig["kind"] == "bars":
         return list(dict.fromkeys(c["experiment"] for c in fig["columns"]))
+    if fig["kind"] == "image_grid":  # reads datasets, not runs
+        return []
+    if fig["kind"] == "partition_bubbles":
+        return [p["experiment"] for p in fig["panels"]]
     if fig["kind"] == "sweep":  # a point may read its own experiment (a setting of the data, not the method)
         return list(dict.fromkeys([fig["experiment"]] + [p["experiment"] for s in fig["series"]
                                                          for p in s["points"] if "experiment" in p]))
@@ -599,6 +606,11 @@ def _check_figure(fig: dict, experiments: dict, where: str, runnable: set[str]) 
         _check_name(e, experiments, where, f"experiments[{i}]" if "experiments" in fig else "experiment")
     for m in sorted(figure_methods(fig)):
         _check_name(m, runnable, where, "methods")
+    if fig["kind"] == "partition_bubbles":
+        datasets = {experiments[p["experiment"]]["dataset"] for p in fig["panels"]}
+        if len(datasets) != 1:
+            raise ConfigError(f"config error in {where} at panels: the panels' experiments must share one dataset "
+                              f"(the bubbles' domains and classes), got {sorted(datasets)}")
     for j, series in enumerate(fig.get("series", [])):
         values = [p["value"] for p in series["points"]]
         if len(set(values)) != len(values):
@@ -609,6 +621,8 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
     """Rows are methods or variants; columns name known experiments; paper rows have one value per column."""
     if table.get("kind") == "param_count":
         _check_param_table(table, experiments, where, runnable)
+        return
+    if table.get("kind") == "dataset_stats":  # reads bundles only; its rows name datasets, not methods
         return
     from fedcore.report.tables import row_source
 

@@ -12,12 +12,20 @@ Schemes (see SCHEMES for keys and defaults):
   dirichlet_per_client  FedPFT: per-client class mix q ~ Dir(alpha), exact totals, overlap allowed
   classes_per_client    SGPT "noniid-labeluni" (sgpt.md 3.1), reproduced step by step
   pathological          FedPFT: n random classes per client, fixed samples per class
-  domain                one or more IID clients per domain (Office, DomainNet, Five-dataset)
+  domain                one or more IID clients per domain (Office, DomainNet, Five-dataset); with `alpha`,
+                        a per-class Dirichlet split inside every domain (FedOTP's feature & label shift)
+  fewshot_pathological  FedOTP: disjoint class blocks, `shots` train images per owned class
+  pachinko              FedOTP / FedEM "noniid-labeldir100": coarse then fine Dirichlet over pooled train+test
+  coarse_split          FedOTP "iid-label100": clients grouped by coarse class, equal shares of its fine classes
 
 Every scheme also takes ``keep_fraction`` (COMMON_KEYS): each client then trains on a seeded, class-stratified
-share of the train samples the scheme gave it (FedHPL Fig. 3(b)); its test set stays the full partition's.
+share of the train samples the scheme gave it (FedHPL Fig. 3(b)); its test set stays the full partition's;
+``fixed_seed``: the draw uses this seed instead of the run's (FedOTP keeps partition seeds fixed per dataset, so
+every training seed sees the same clients); and ``bug_compat_classname_order`` (FedOTP's official-code bug,
+fedcore.partition_fedotp). Scheme ``domain`` also takes ``bug_compat_office_labels`` with ``alpha``.
 
-The FedHPL algorithms live in fedcore.partition_fedhpl; this module keeps the table, validation and format.
+The FedHPL algorithms live in fedcore.partition_fedhpl, FedOTP's in fedcore.partition_fedotp; this module keeps
+the table, validation and format.
 """
 from __future__ import annotations
 
@@ -47,6 +55,9 @@ TEST_MODES: dict[str, tuple[str, ...]] = {
     "domain": ("domain", "full"),
     "dirichlet_overlap": ("full", "proportional", "iid"),  # no "split": a shared sample would leak into a test set
     "class_subsets": ("split",),  # the private 20 % test pool of the clients' own classes
+    "fewshot_pathological": ("owned_classes",),  # every test image of the client's classes
+    "pachinko": ("pooled",),  # the test-split samples of the client's own draw from train+test
+    "coarse_split": ("class_share",),  # the client's equal share of its fine classes' test pools
 }
 
 SCHEMES: dict[str, dict[str, Any]] = {
@@ -80,6 +91,9 @@ SCHEMES: dict[str, dict[str, Any]] = {
         "clients_per_domain": 1,
         "train_fraction_of_min": None,
         "equal_test_size": False,
+        "alpha": None,  # FedOTP feature & label shift: per-class Dir(alpha) over a domain's clients
+        "min_size": 2,  # with alpha: train samples every client needs (redrawn until it has them)
+        "bug_compat_office_labels": False,  # with alpha: the code's image/label misalignment (partition_fedotp)
         "test": "domain",
     },
     "dirichlet_overlap": {
@@ -99,16 +113,20 @@ SCHEMES: dict[str, dict[str, Any]] = {
         "test": "split",
         "test_fraction": 0.2,
     },
+    "fewshot_pathological": {"clients": REQUIRED, "shots": REQUIRED, "test": "owned_classes"},
+    "pachinko": {"clients": REQUIRED, "alpha": REQUIRED, "fine_alpha": 10.0, "test": "pooled"},
+    "coarse_split": {"clients": REQUIRED, "test": "class_share"},
 }
 
 # Keys every scheme takes, applied after the scheme's own draw (see keep_share).
-COMMON_KEYS: dict[str, Any] = {"keep_fraction": 1.0}
+COMMON_KEYS: dict[str, Any] = {"keep_fraction": 1.0, "fixed_seed": None, "bug_compat_classname_order": False}
 
 # Keys added to a scheme after its partitions were in use: left out of the validated spec while they hold
 # their default, so that the ids and files of the earlier specs stay byte-identical.
 _OMITTED_AT_DEFAULT: dict[str, dict[str, Any]] = {
     **{scheme: dict(COMMON_KEYS) for scheme in SCHEMES},
     "iid": {"min_per_class_frac": 0.0, **COMMON_KEYS},
+    "domain": {"alpha": None, "min_size": 2, "bug_compat_office_labels": False, **COMMON_KEYS},
 }
 
 SETTINGS = ("iid", "dirichlet", "dirichlet_overlap")  # class_subsets' settings inside the class subsets
@@ -126,18 +144,36 @@ _DERIVED = ("test_from",)
 
 @dataclass
 class Partition:
-    """Per-client index arrays into the dataset's splits, plus the spec and seed that made them."""
+    """Per-client index arrays into the dataset's splits, plus the spec and seed that made them.
+
+    ``train_images``/``test_images`` (bug_compat_office_labels only) are the indices of the images each client is
+    shown in place of ``train``/``test``'s own, whose labels it keeps; ``class_order``
+    (bug_compat_classname_order only) is the class whose name prompt k gets (fedcore.partition_fedotp).
+    """
 
     train: list[np.ndarray]
     test: list[np.ndarray]
     spec: dict
     seed: int
+    train_images: list[np.ndarray] | None = None
+    test_images: list[np.ndarray] | None = None
+    class_order: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.train = [np.asarray(a, dtype=np.int64) for a in self.train]
         self.test = [np.asarray(a, dtype=np.int64) for a in self.test]
         if len(self.train) != len(self.test):
             raise ValueError(f"{len(self.train)} train lists but {len(self.test)} test lists")
+        for name, labels in (("train_images", self.train), ("test_images", self.test)):
+            images = getattr(self, name)
+            if images is None:
+                continue
+            images = [np.asarray(a, dtype=np.int64) for a in images]
+            if [len(a) for a in images] != [len(a) for a in labels]:
+                raise ValueError(f"{name} must give one image per sample of every client")
+            setattr(self, name, images)
+        if self.class_order is not None:
+            self.class_order = np.asarray(self.class_order, dtype=np.int64)
         self.seed = int(self.seed)
 
     @property
@@ -161,6 +197,11 @@ class Partition:
             "spec_json": np.frombuffer(_canonical_json(self.spec).encode(), dtype=np.uint8),
             "seed": np.array([self.seed], dtype=np.int64),
         }
+        for name in ("train_images", "test_images"):  # written only when set: other files stay byte-identical
+            if getattr(self, name) is not None:
+                arrays[f"{name}_idx"] = _concat(getattr(self, name))
+        if self.class_order is not None:
+            arrays["class_order"] = self.class_order
         with atomic_path(path, suffix=".npz") as tmp:
             with open(tmp, "wb") as fh:  # a file handle stops numpy from appending a second ".npz"
                 np.savez(fh, **arrays)
@@ -176,11 +217,15 @@ class Partition:
         if missing:
             raise ValueError(f"{path} is not a fedcore partition file (missing arrays {missing}; has {sorted(z)})")
         spec = json.loads(bytes(z["spec_json"]).decode())
+        images = {name: _split_offsets(z[f"{name}_idx"], z[f"{name.split('_')[0]}_offsets"])
+                  for name in ("train_images", "test_images") if f"{name}_idx" in z}
         return cls(
             train=_split_offsets(z["train_idx"], z["train_offsets"]),
             test=_split_offsets(z["test_idx"], z["test_offsets"]),
             spec=spec,
             seed=int(z["seed"][0]),
+            class_order=z["class_order"] if "class_order" in z else None,
+            **images,
         )
 
 
@@ -284,6 +329,11 @@ _CHECKS: dict[str, Callable[[str, Any, str], Any]] = {
     "train_fraction_of_min": lambda k, v, s: None if v is None else _check_float(k, v, 0.0, 1.0, lo_open=True),
     "equal_test_size": lambda k, v, s: _check_bool(k, v),
     "keep_fraction": lambda k, v, s: _check_float(k, v, 0.0, 1.0, lo_open=True),
+    "shots": lambda k, v, s: _check_int(k, v, 1),
+    "fine_alpha": lambda k, v, s: _check_alpha(k, v, allow_random=False),
+    "fixed_seed": lambda k, v, s: _check_int(k, v, 0),
+    "bug_compat_classname_order": lambda k, v, s: _check_bool(k, v),
+    "bug_compat_office_labels": lambda k, v, s: _check_bool(k, v),
 }
 
 
@@ -335,6 +385,11 @@ def validate_spec(spec: dict) -> dict:
 def _check_combination(out: dict) -> None:
     """Checks across keys of the FedHPL schemes: which alpha and alpha_sum a setting takes, one count per client."""
     scheme = out["scheme"]
+    if scheme == "domain" and out["alpha"] is None:
+        for key in ("min_size", "bug_compat_office_labels"):
+            if out[key] != SCHEMES["domain"][key]:
+                raise ValueError(f"partition key {key!r} of scheme 'domain' applies only with 'alpha' (the per-class "
+                                 f"Dirichlet split inside each domain)")
     if scheme == "class_subsets":
         if len(out["classes_per_client"]) != out["clients"]:
             raise ValueError(f"partition key 'classes_per_client' must give one class count per client "
@@ -385,6 +440,10 @@ def spec_limits(spec: dict, facts: DatasetFacts, dataset: str) -> list[Violation
                 out.append(Violation(f"partition.{key}", spec[key], f"0..{split.min_class}" if what == "test"
                                      else f"1..{split.min_class}",
                                      f"the smallest class of dataset {dataset} has {split.min_class} {what} samples"))
+    elif scheme == "fewshot_pathological":
+        out += _fewshot_limits(spec, facts, dataset)
+    elif scheme in ("pachinko", "coarse_split"):
+        out += _coarse_limits(spec, facts, dataset)
     elif scheme in ("iid", "dirichlet") and train.size is not None:
         per_client = max(spec.get("min_size", 1), 1)  # dirichlet redraws until every client has min_size
         most = train.size // per_client
@@ -418,6 +477,33 @@ def _classes_per_client_limits(spec: dict, facts: DatasetFacts, dataset: str) ->
                           f"with classes_per_client {s}, each of the {k} classes of dataset {dataset} is shared by "
                           f"clients * {s} / {k} clients; beyond {sharers} the smallest class ({n} {what} samples) "
                           f"can leave a client's share empty")]
+    return []
+
+
+def _fewshot_limits(spec: dict, facts: DatasetFacts, dataset: str) -> list[Violation]:
+    """FedOTP's few-shot split: every client gets a class block, and every class has `shots` train images."""
+    from fedcore.partition_fedotp import fewshot_blocks
+
+    try:
+        fewshot_blocks(facts.classes, spec["clients"])
+    except ValueError as e:
+        return [Violation("partition.clients", spec["clients"], f"1..{facts.classes}", str(e))]
+    n = facts.train.min_class
+    if n is not None and spec["shots"] > n:
+        return [Violation("partition.shots", spec["shots"], f"1..{n}",
+                          f"the smallest class of dataset {dataset} has {n} train samples")]
+    return []
+
+
+def _coarse_limits(spec: dict, facts: DatasetFacts, dataset: str) -> list[Violation]:
+    """FedOTP's CIFAR-100 splits need coarse labels; coarse_split needs a client count that the coarse classes divide."""
+    if facts.coarse == 0:
+        return [Violation("partition.scheme", spec["scheme"], "a scheme without coarse labels",
+                          f"dataset {dataset} has no coarse labels")]
+    if spec["scheme"] == "coarse_split" and spec["clients"] % facts.coarse:
+        return [Violation("partition.clients", spec["clients"], f"multiples of {facts.coarse}",
+                          f"dataset {dataset} has {facts.coarse} coarse classes, each held by clients / "
+                          f"{facts.coarse} clients")]
     return []
 
 
@@ -661,22 +747,30 @@ def _dirichlet_per_client(spec: dict, train_y: np.ndarray, test_y: np.ndarray, r
     return _gather(train), _gather(test)
 
 
-def _domain(spec: dict, train_domain: np.ndarray, test_domain: np.ndarray, rng: np.random.Generator):
-    """IID shards of every domain's train and test sets; client order = domain order, then shard."""
+def _domain(spec: dict, train_domain: np.ndarray, test_domain: np.ndarray, rng: np.random.Generator,
+            train_y: np.ndarray, test_y: np.ndarray):
+    """IID shards (or, with alpha, per-class Dirichlet shares) of every domain's train and test sets; client
+    order = domain order, then shard."""
     k = spec["clients_per_domain"]
     domains = np.unique(train_domain)
     missing = sorted(set(np.unique(test_domain).tolist()) - set(domains.tolist()))
     if missing:
         raise ValueError(f"domain partition: test domains {missing} have no train samples")
-    train, test = [], []
     in_file_order = spec["train_fraction_of_min"] is not None
-    for d in domains:
-        tr_pool = rng.permutation(np.flatnonzero(train_domain == d))
-        te_pool = rng.permutation(np.flatnonzero(test_domain == d))
-        if in_file_order:  # the SGPT code's subset is a prefix of the domain's pickle, not a random draw
-            tr_pool = np.sort(tr_pool)  # the permutation still runs so that the test shards stay the same
-        train += [s.astype(np.int64) for s in np.array_split(tr_pool, k)]
-        test += [s.astype(np.int64) for s in np.array_split(te_pool, k)]
+    if spec.get("alpha") is not None:
+        from fedcore.partition_fedotp import domain_dirichlet
+
+        min_size = spec.get("min_size", SCHEMES["domain"]["min_size"])  # left out of the spec at its default
+        train, test = domain_dirichlet(spec["alpha"], min_size, k, train_y, test_y, train_domain, test_domain, rng)
+    else:
+        train, test = [], []
+        for d in domains:
+            tr_pool = rng.permutation(np.flatnonzero(train_domain == d))
+            te_pool = rng.permutation(np.flatnonzero(test_domain == d))
+            if in_file_order:  # the SGPT code's subset is a prefix of the domain's pickle, not a random draw
+                tr_pool = np.sort(tr_pool)  # the permutation still runs so that the test shards stay the same
+            train += [s.astype(np.int64) for s in np.array_split(tr_pool, k)]
+            test += [s.astype(np.int64) for s in np.array_split(te_pool, k)]
     if in_file_order:
         # Office 0.5 / DomainNet 0.05 rule: every client keeps the first int(f * smallest pool) samples
         n = int(spec["train_fraction_of_min"] * min(len(t) for t in train))
@@ -753,13 +847,18 @@ def make_partition(
     test_y: np.ndarray,
     train_domain: np.ndarray | None = None,
     test_domain: np.ndarray | None = None,
+    train_coarse: np.ndarray | None = None,
+    test_coarse: np.ndarray | None = None,
 ) -> Partition:
-    """Build the partition a spec describes, deterministically from `seed`."""
+    """Build the partition a spec describes, deterministically from `seed` (or the spec's `fixed_seed`)."""
     spec = validate_spec(spec)
     train_y, test_y = _check_labels("train_y", train_y), _check_labels("test_y", test_y)
+    if spec.get("fixed_seed") is not None:
+        seed = spec["fixed_seed"]
     rng = np.random.default_rng(seed)
     scheme = spec["scheme"]
-    from fedcore import partition_fedhpl as fedhpl  # here, not at the top: it builds on this module's helpers
+    from fedcore import partition_fedhpl as fedhpl  # here, not at the top: they build on this module's helpers
+    from fedcore import partition_fedotp as fedotp
 
     if scheme == "domain":
         if train_domain is None or test_domain is None:
@@ -768,7 +867,7 @@ def make_partition(
         test_domain = _check_labels("test_domain", test_domain)
         if len(train_domain) != len(train_y) or len(test_domain) != len(test_y):
             raise ValueError("domain arrays must have one entry per sample of their split")
-        train, test = _domain(spec, train_domain, test_domain, rng)
+        train, test = _domain(spec, train_domain, test_domain, rng, train_y, test_y)
     elif scheme in ("iid", "dirichlet", "dirichlet_overlap"):
         if scheme == "iid" and spec.get("min_per_class_frac", 0.0) > 0:
             train = fedhpl.iid_with_minimum(spec, train_y, rng)
@@ -781,6 +880,18 @@ def make_partition(
         train, test = _label_skew_test(spec, train, train_y, test_y, rng)
     elif scheme == "class_subsets":
         train, test = fedhpl.class_subsets(spec, train_y, rng)
+    elif scheme in ("pachinko", "coarse_split"):
+        if train_coarse is None or test_coarse is None:
+            raise ValueError(f"partition scheme {scheme!r} needs coarse labels for both splits (the dataset "
+                             f"bundle's 'coarse' arrays, e.g. CIFAR-100's 20 superclasses)")
+        train_coarse = _check_labels("train_coarse", train_coarse)
+        test_coarse = _check_labels("test_coarse", test_coarse)
+        if len(train_coarse) != len(train_y) or len(test_coarse) != len(test_y):
+            raise ValueError("coarse arrays must have one entry per sample of their split")
+        maker = fedotp.pachinko if scheme == "pachinko" else fedotp.coarse_split
+        train, test = maker(spec, train_y, test_y, train_coarse, test_coarse, rng)
+    elif scheme == "fewshot_pathological":
+        train, test = fedotp.fewshot_pathological(spec, train_y, test_y, rng)
     else:
         maker = {
             "classes_per_client": _classes_per_client,
@@ -792,7 +903,14 @@ def make_partition(
         test = [np.arange(len(test_y), dtype=np.int64) for _ in train]
     if spec.get("keep_fraction", 1.0) < 1.0:  # after every other draw: the full partition is unchanged
         train = keep_share(train, train_y, spec["keep_fraction"], rng)
-    return Partition(train=train, test=test, spec=spec, seed=seed)
+    extra: dict[str, Any] = {}
+    if spec.get("bug_compat_office_labels"):  # the indices above stay the correct partition; only images move
+        extra["train_images"] = fedotp.office_label_images(train, train_domain)
+        extra["test_images"] = fedotp.office_label_images(test, test_domain)
+    if spec.get("bug_compat_classname_order"):
+        n = int(max(train_y.max(initial=-1), test_y.max(initial=-1))) + 1
+        extra["class_order"] = fedotp.classname_order(n, seed)
+    return Partition(train=train, test=test, spec=spec, seed=seed, **extra)
 
 
 def keep_share(train: list[np.ndarray], train_y: np.ndarray, fraction: float,

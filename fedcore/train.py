@@ -54,6 +54,25 @@ def check_partition(part: Partition, n_train: int, n_test: int, where: str) -> N
             raise ValueError(f"{where}: client {c} has no training data")
 
 
+def paired_split(split: DeviceSplit, labels: list[np.ndarray], images: list[np.ndarray] | None
+                 ) -> tuple[DeviceSplit, list[torch.Tensor]]:
+    """A split and per-client indices into it in which client c's i-th sample is the image ``images[c][i]`` with
+    the label ``labels[c][i]`` (a partition's bug_compat_office_labels pairing); with ``images`` None, the split
+    itself and ``labels`` (every sample keeps its own image)."""
+    dev = split.y.device
+    if images is None:
+        return split, [torch.as_tensor(a, dtype=torch.long, device=dev) for a in labels]
+    lab = torch.as_tensor(np.concatenate(labels), dtype=torch.long, device=dev)
+    img = torch.as_tensor(np.concatenate(images), dtype=torch.long, device=dev)
+    # one row per (client, sample): per-image data follows the image, labels follow the partition
+    out = DeviceSplit(x=split.x[img], y=split.y[lab],
+                      features=None if split.features is None else split.features[img],
+                      coarse=None if split.coarse is None else split.coarse[lab],
+                      extras={k: v[img] for k, v in split.extras.items()})
+    ends = np.cumsum([len(a) for a in labels])
+    return out, [torch.arange(e - len(a), e, dtype=torch.long, device=dev) for a, e in zip(labels, ends)]
+
+
 def _extra_datasets(declared: dict[str, str], given: dict[str, str | Path] | None, method: str
                     ) -> dict[str, str | Path]:
     """The files of the extra datasets a method declares; each must be given, and nothing else."""
@@ -165,9 +184,10 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
         with attention_backend(dev):
             train, test = (cache_features(s, extractor, pipeline, bs) for s in (train, test))
     source = train if part.spec.get("test_from") == "train" else test
-    to_idx = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
+    train, train_idx = paired_split(train, part.train, part.train_images)
+    source, test_idx = paired_split(source, part.test, part.test_images)
     evaluation = dict(params.get("evaluation", {}))
-    eval_sets = EvalSets(source, [to_idx(t) for t in part.test], test, evaluation.get("global_test", "pooled_local"))
+    eval_sets = EvalSets(source, test_idx, test, evaluation.get("global_test", "pooled_local"))
     spec = RunSpec(identity=dict(identity), federation=params["federation"], optimizer=params["optimizer"],
                    evaluation=evaluation, final_window=int(params.get("final_window", 1)),
                    method_params={"method": cls.name, **method.params, "client_backbones": client_backbones,
@@ -175,7 +195,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     reads = [dataset_path, partition_path, *(w for w in weights if w is not None), *(artifacts or {}).values(),
              *(extra_datasets or {}).values(), *depends_on]
     with attention_backend(dev):
-        result = run_federated(method, train, test, [to_idx(t) for t in part.train], eval_sets, pipeline, spec,
+        result = run_federated(method, train, test, train_idx, eval_sets, pipeline, spec,
                                checkpoint_path, stop_after_round=stop_after_round, progress=progress,
                                checkpoint_inputs=reads)
     if result is None:

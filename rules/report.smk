@@ -29,13 +29,28 @@ def report_data(name, kind_input):
     raise ValueError(f"unknown report input {kind_input!r}")
 
 
+def report_bundles(entry):
+    """The bundles a data-only table or figure reads: the scale's dataset of each row or panel (if mapped)."""
+    return sorted({dataset_file(c) for c in entry["concrete"].values() if c is not None})
+
+
 def table_inputs(wildcards):
-    kind_input = table_input(CFG.tables[wildcards.name])
+    table = CFG.tables[wildcards.name]
+    kind_input = table_input(table)
+    if kind_input == "datasets":
+        return {"datasets": report_bundles(table), "code": REPORT_CODE}
     return {kind_input: report_data(wildcards.name, kind_input), "code": REPORT_CODE}
 
 
 def figure_inputs(wildcards):
-    kind_input = figure_input(CFG.figures[wildcards.name])
+    fig = CFG.figures[wildcards.name]
+    kind_input = figure_input(fig)
+    if kind_input == "datasets":
+        return {"datasets": report_bundles(fig), "code": REPORT_CODE}
+    if kind_input == "partition_files":  # one partition file per panel's experiment, all on one dataset
+        exps = [CFG.experiments[p["experiment"]] for p in fig["panels"]]
+        return {"partition_files": [partition_file(p["experiment"], CFG.seeds[0]) for p in fig["panels"]],
+                "dataset": dataset_file(exps[0]["dataset"]), "code": REPORT_CODE}
     return {kind_input: report_data(wildcards.name, kind_input), "code": REPORT_CODE}
 
 

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import yaml
 
-from fedcore.data import sources
+from fedcore.data import sources, sources_clip
 from fedcore.data.arrays import DatasetBundle, save_bundle
 from fedcore.data.download import (ChecksumError, ChecksumNotPinned, DataError, DownloadError,
                                    ManualDataMissing, download, extract, file_digests, verify_file)
@@ -25,7 +25,8 @@ from fedcore.io import atomic_write_text
 log = logging.getLogger(__name__)
 
 EMBEDDED: frozenset[str] = frozenset(EMBEDDED_DATASETS) | frozenset(PUBLIC_DATASETS)
-PAPER: tuple[str, ...] = tuple(sources.CONVERTERS) + tuple(sources.COMPOSITES)
+CONVERTERS = {**sources.CONVERTERS, **sources_clip.CONVERTERS}
+PAPER: tuple[str, ...] = tuple(CONVERTERS) + tuple(sources.COMPOSITES)
 DATASETS: tuple[str, ...] = tuple(EMBEDDED_DATASETS) + tuple(PUBLIC_DATASETS) + PAPER
 
 RAW_DIR, MANUAL_DIR, EXTRACTED_DIR = "raw", "manual", "extracted"
@@ -256,9 +257,9 @@ def _convert(name: str, resources_dir: Path, checksums: dict, timeout: float) ->
     for e, p in zip(entries, paths):
         inputs.setdefault(e["dataset"], []).append(_prepare(e, p, resources_dir))
     if name in sources.COMPOSITES:
-        bundle = sources.five_dataset({c: sources.CONVERTERS[c](inputs[c]) for c in sources.COMPOSITES[name]})
+        bundle = sources.five_dataset({c: CONVERTERS[c](inputs[c]) for c in sources.COMPOSITES[name]})
     else:
-        bundle = sources.CONVERTERS[name](inputs[name])
+        bundle = CONVERTERS[name](inputs[name])
     bundle.meta["raw_files"] = [{"path": _rel(e), **_pins(e)} for e in entries]
     return bundle
 

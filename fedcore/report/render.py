@@ -10,6 +10,8 @@ output when it changes):
     values      probe congruence CSV          figure congruence (Fig. 6a)
     partition   a partition's counts CSV      figure partition_counts (Fig. 7)
     partitions  several partitions' counts    figure partition_grid (FedHPL Fig. 4), one CSV per panel
+    datasets    dataset bundles               table dataset_stats (FedOTP Table A1), figure image_grid (Fig. A1)
+    partition_files  partitions + a bundle    figure partition_bubbles (FedOTP Fig. A2)
 """
 from __future__ import annotations
 
@@ -24,8 +26,15 @@ FIGURE_INPUT: dict[str, str] = {
     "per_class": "metrics", "bars": "metrics",
     "tsne": "embedding", "congruence": "values", "partition_counts": "partition",
     "partition_grid": "partitions",
+    "image_grid": "datasets", "partition_bubbles": "partition_files",
 }
-TABLE_INPUT: dict[str, str] = {"metrics": "metrics", "param_count": "counts"}
+TABLE_INPUT: dict[str, str] = {"metrics": "metrics", "param_count": "counts", "dataset_stats": "datasets"}
+
+
+def bundles_by_name(paths) -> dict[str, str]:
+    """Dataset bundle files (results/data/<dataset>.npz) by dataset name."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    return {os.path.basename(str(p)).removesuffix(".npz"): str(p) for p in paths}
 
 
 def figure_input(fig_cfg: dict) -> str:
@@ -91,6 +100,18 @@ def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.Pa
     """Build the figure from its named input and write PNG and PDF atomically."""
     from fedcore.report.plotting import save_figure
 
+    kind = fig_cfg["kind"]
+    if kind in ("image_grid", "partition_bubbles"):  # data-only figures read bundles (and partitions) directly
+        from fedcore.report import data_outputs
+
+        if kind == "image_grid":
+            fig = data_outputs.image_grid_figure(fig_cfg, bundles_by_name(inputs["datasets"]))
+        else:
+            parts = inputs["partition_files"]
+            parts = [parts] if isinstance(parts, (str, os.PathLike)) else list(parts)
+            fig = data_outputs.partition_bubbles_figure(fig_cfg, inputs["dataset"], parts)
+        save_figure(fig, out_png, out_pdf)
+        return
     save_figure(build_figure(fig_cfg, inputs[figure_input(fig_cfg)], context), out_png, out_pdf)
 
 
@@ -98,6 +119,12 @@ def render_table(table_cfg: dict, inputs: Mapping[str, Any], out_md: str | os.Pa
                  out_csv: str | os.PathLike, context: Mapping[str, Any]) -> None:
     """Build the table from its named input and write Markdown, LaTeX and CSV atomically."""
     path = inputs[table_input(table_cfg)]
+    if table_cfg.get("kind") == "dataset_stats":
+        from fedcore.report.data_outputs import build_dataset_stats, write_dataset_stats
+
+        write_dataset_stats(build_dataset_stats(table_cfg, bundles_by_name(path)), table_cfg, context["scale"],
+                            out_md, out_tex, out_csv)
+        return
     if table_cfg.get("kind", "metrics") == "param_count":
         from fedcore.report.param_table import build_param_table, write_param_table
 

@@ -13,7 +13,7 @@ from fedcore.partition_plots import plot_class_heatmap  # noqa: E402
 _log.setup(snakemake)
 b = load_bundle(snakemake.input[0])
 part = make_partition(snakemake.params.spec, int(snakemake.wildcards.seed), b.train.y, b.test.y,
-                      b.train.domain, b.test.domain)
+                      b.train.domain, b.test.domain, b.train.coarse, b.test.coarse)
 test_y = b.train.y if part.spec.get("test_from") == "train" else b.test.y
 counts = class_counts(part, b.train.y, test_y)
 with atomic_path(snakemake.output.counts) as tmp:
