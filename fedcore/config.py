@@ -317,6 +317,7 @@ def _check_method_params(name: str, exp: dict, resolved: "Resolved", files: str)
             raise ConfigError(f"config error in {files}: experiment {name!r}, {label}, {bad[0]}")
         try:
             cls.check_params(params)  # what the rules cannot express, here rather than inside a job
+            cls.check_federation(params, resolved.federation(name, m))
         except ValueError as e:
             raise ConfigError(f"config error in {files}: experiment {name!r}, {label}: {e}") from e
 

@@ -31,6 +31,7 @@ METHODS: dict[str, str] = {
     "fedtgp": "fedtgp",
     "fedgen": "fedgen",
     "fedgh": "fedgh",
+    "fedpft": "fedpft",
 }
 
 
