@@ -113,8 +113,8 @@ def moco_loss(q: Tensor, k: Tensor, queue: Tensor, temperature: float) -> Tensor
 def enqueue(queue: Tensor, ptr: int, keys: Tensor) -> int:
     """FIFO, in place: write ``keys`` (B, dim) over the oldest columns of ``queue`` (dim, K), wrapping around;
     returns the next column to overwrite. A batch larger than K keeps its last K keys."""
-    size = queue.shape[1]
-    keys = keys[-size:]
-    cols = (ptr + torch.arange(len(keys), device=queue.device)) % size
-    queue[:, cols] = keys.T.to(queue.dtype)
-    return (ptr + len(keys)) % size
+    size, n = queue.shape[1], len(keys)
+    kept = keys[-size:]   # as if written one after another: the last K survive, at the columns they would reach
+    cols = (ptr + n - len(kept) + torch.arange(len(kept), device=queue.device)) % size
+    queue[:, cols] = kept.T.to(queue.dtype)
+    return (ptr + n) % size
