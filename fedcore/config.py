@@ -625,11 +625,12 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
                         f"row_sources.{row} (column {i})")
         if col["metric"] == "client_acc" and "client" not in col:
             raise ConfigError(f"config error in {where} at columns[{i}]: metric client_acc needs a 'client' key")
-    for row, values in table["paper"].items():
-        _check_name(row, table["rows"], where, f"paper.{row}")
-        if len(values) != len(table["columns"]):
-            raise ConfigError(f"config error in {where} at paper.{row}: {len(values)} values for "
-                              f"{len(table['columns'])} columns")
+    for key in ("paper", "paper_std"):
+        for row, values in table.get(key, {}).items():
+            _check_name(row, table["rows"], where, f"{key}.{row}")
+            if len(values) != len(table["columns"]):
+                raise ConfigError(f"config error in {where} at {key}.{row}: {len(values)} values for "
+                                  f"{len(table['columns'])} columns")
     attrs = table.get("row_attributes")
     if attrs:
         for row, values in attrs["values"].items():

@@ -44,14 +44,28 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fedcore.constraints import Choice, Flag, Int, Number
-from fedcore.engine.data import check_augment
+from fedcore.constraints import Choice, Constraint, Flag, Int, Number, RunFacts, Violation
+from fedcore.engine.data import AUGMENTATIONS, PIXEL_AUGMENTATIONS
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer, only_training
 from fedcore.engine.roles import (Client, FitResult, Method, Payload, RoundInfo, Strategy, load_state,
                                   module_state)
 from fedcore.engine.sampling import stream_seed
 from fedcore.methods.base import INITS, PersonalEvaluator, random_weights, raw_backbone
 from fedcore.methods.pft_modules import KEY_PARTS, PFTModel, enqueue, momentum_update, moco_loss
+
+AUGMENT_NAMES = tuple(sorted(AUGMENTATIONS) + sorted(PIXEL_AUGMENTATIONS))
+
+
+@dataclass(frozen=True)
+class AugmentList(Constraint):
+    """A list of augmentation names (fedcore.engine.data), applied in order."""
+
+    def violation(self, key: str, value: Any, facts: RunFacts | None) -> Violation | None:
+        """See Constraint."""
+        if isinstance(value, list) and all(v in AUGMENT_NAMES for v in value):
+            return None
+        return Violation(key, value, f"a list of augmentation names from {list(AUGMENT_NAMES)}")
+
 
 PROMPT_STREAM, QUEUE_STREAM = 0x9F7, 0x9F8  # stream_seed streams of a client's initial prompts and queue
 PROMPTS = ("p_kappa", "p_rho")
@@ -245,7 +259,8 @@ class FedPFT(Method):
                    "prompt_init": Choice(("per_client", "identical")), "con_dim": Int(1), "queue_size": Int(1),
                    "moco_momentum": Number(0.0, 1.0), "temperature": Number(0.0, lo_open=True),
                    "key_encoder": Choice(("persistent", "resync")), "classifier": Choice(("global", "personal")),
-                   "two_stage": Int(1, optional=True)}
+                   "two_stage": Int(1, optional=True), "base_augment": AugmentList(),
+                   "moco_augment": Choice(AUGMENT_NAMES)}
     client_role = FedPFTClient
     strategy_role = FedPFTStrategy
     evaluator_role = PersonalEvaluator
@@ -253,7 +268,7 @@ class FedPFT(Method):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # the clients' prompt and queue draws come from the run's seeded generator (the engine seeds it first)
-        self.init_seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
 
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
@@ -264,11 +279,6 @@ class FedPFT(Method):
         if params["two_stage"] is not None and not (params["contrastive"] and params["alternate"] and params["tau"]):
             raise ValueError("key 'two_stage' needs contrastive, alternate and tau all true (stage 2 is FedPFT w/o "
                              "L_Con, stage 1 its contrastive branch)")
-        names = params["base_augment"]
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"key 'base_augment' = {names!r}: allowed a list of augmentation names")
-        check_augment(tuple(names), "key 'base_augment'")
-        check_augment((params["moco_augment"],), "key 'moco_augment'")
 
     @classmethod
     def check_federation(cls, params: dict[str, Any], federation: dict[str, Any]) -> None:
