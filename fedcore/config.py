@@ -317,6 +317,7 @@ def _check_method_params(name: str, exp: dict, resolved: "Resolved", files: str)
             raise ConfigError(f"config error in {files}: experiment {name!r}, {label}, {bad[0]}")
         try:
             cls.check_params(params)  # what the rules cannot express, here rather than inside a job
+            cls.check_federation(params, resolved.federation(name, m))
         except ValueError as e:
             raise ConfigError(f"config error in {files}: experiment {name!r}, {label}: {e}") from e
 
@@ -640,11 +641,12 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
                         f"row_sources.{row} (column {i})")
         if col["metric"] == "client_acc" and "client" not in col:
             raise ConfigError(f"config error in {where} at columns[{i}]: metric client_acc needs a 'client' key")
-    for row, values in table["paper"].items():
-        _check_name(row, table["rows"], where, f"paper.{row}")
-        if len(values) != len(table["columns"]):
-            raise ConfigError(f"config error in {where} at paper.{row}: {len(values)} values for "
-                              f"{len(table['columns'])} columns")
+    for key in ("paper", "paper_std"):
+        for row, values in table.get(key, {}).items():
+            _check_name(row, table["rows"], where, f"{key}.{row}")
+            if len(values) != len(table["columns"]):
+                raise ConfigError(f"config error in {where} at {key}.{row}: {len(values)} values for "
+                                  f"{len(table['columns'])} columns")
     attrs = table.get("row_attributes")
     if attrs:
         for row, values in attrs["values"].items():

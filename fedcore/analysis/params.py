@@ -21,12 +21,35 @@ log = logging.getLogger(__name__)
 
 OK = "ok"
 NOT_IMPLEMENTED = "not implemented"
-COLUMNS = ["column", "source", "arch", "method", "experiment", "num_classes", "trainable", "total", "status", "device"]
+COLUMNS = ["column", "source", "arch", "method", "experiment", "num_classes", "trainable", "total", "uploaded", "status",
+           "device"]
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
     """Number of scalar parameters (only those with requires_grad when `trainable_only`)."""
     return int(sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only))
+
+
+def uploaded_numbers(spec: dict[str, Any]) -> int:
+    """Numbers a client of the column's method uploads per round: its shared state (parameters and running
+    statistics, not BatchNorm's batch counters), only the model parts ``upload_parts`` names when given (FedPFT
+    Table 10: φ, τ, h_κ, h_ρ)."""
+    method = _build_method(spec)
+    keys = method.client.shared_keys(method.keys(0))
+    parts = spec.get("upload_parts")
+    state = method.initial_state(0, keys)
+    return int(sum(v.numel() for k, v in state.items()
+                   if not k.endswith("num_batches_tracked") and (parts is None or k.split(".")[0] in parts)))
+
+
+def _build_method(spec: dict[str, Any]):
+    """The method of a ``source: method`` column, built around ``arch``'s prompt adapter."""
+    from fedcore.backbones.registry import build_backbone, prompt_adapter
+    from fedcore.methods import method_class
+
+    cls = method_class(spec.get("base", spec["method"]))
+    backbone = build_backbone(spec["arch"], input_size=spec.get("input_size"))  # the experiment's, if it sets one
+    return cls(prompt_adapter(backbone), int(spec["num_classes"]), dict(spec.get("params") or {}))
 
 
 def build_model(spec: dict[str, Any]) -> nn.Module:
@@ -46,12 +69,7 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
 
         return timm.create_model(arch, pretrained=False, num_classes=classes)
     if source == "method":
-        from fedcore.backbones.registry import build_backbone, prompt_adapter
-        from fedcore.methods import method_class
-
-        cls = method_class(spec.get("base", spec["method"]))
-        backbone = build_backbone(arch, input_size=spec.get("input_size"))  # the experiment's, if it sets one
-        return cls(prompt_adapter(backbone), classes, dict(spec.get("params") or {})).model
+        return _build_method(spec).model
     raise ValueError(f"unknown model source {source!r}; expected torchvision, timm or method")
 
 
@@ -68,15 +86,18 @@ def _implemented(spec: dict[str, Any]) -> bool:
 def model_counts(spec: dict[str, Any]) -> dict[str, Any]:
     """Trainable and total parameter counts of one column's model, and the device it was built on."""
     if not _implemented(spec):
-        return {"trainable": math.nan, "total": math.nan, "status": NOT_IMPLEMENTED, "device": ""}
+        return {"trainable": math.nan, "total": math.nan, "uploaded": math.nan, "status": NOT_IMPLEMENTED,
+                "device": ""}
     try:
         with torch.device("meta"):
             model, device = build_model(spec), "meta"
+            uploaded = uploaded_numbers(spec) if spec["source"] == "method" else math.nan
     except (NotImplementedError, RuntimeError) as e:  # an init op without a meta kernel
         log.info("building %s on the CPU: meta device failed (%s)", spec.get("arch"), e)
         model, device = build_model(spec), "cpu"
+        uploaded = uploaded_numbers(spec) if spec["source"] == "method" else math.nan
     return {"trainable": count_parameters(model), "total": count_parameters(model, trainable_only=False),
-            "status": OK, "device": device}
+            "uploaded": uploaded, "status": OK, "device": device}
 
 
 def param_counts(models: list[dict[str, Any]]) -> pd.DataFrame:
@@ -86,7 +107,7 @@ def param_counts(models: list[dict[str, Any]]) -> pd.DataFrame:
         rows.append({"column": j, "source": spec["source"], "arch": spec.get("arch", ""),
                      "method": spec.get("method", ""), "experiment": spec.get("experiment", ""),
                      "num_classes": int(spec["num_classes"]), **model_counts(spec)})
-    return pd.DataFrame(rows, columns=COLUMNS).astype({"trainable": "Int64", "total": "Int64"})
+    return pd.DataFrame(rows, columns=COLUMNS).astype({"trainable": "Int64", "total": "Int64", "uploaded": "Int64"})
 
 
 def write_param_counts(models: list[dict[str, Any]], out_csv: str | os.PathLike) -> pd.DataFrame:

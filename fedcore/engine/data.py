@@ -8,6 +8,7 @@ the client's generator, so a run stays deterministic and a resumed run equals an
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, NamedTuple
 
@@ -75,8 +76,122 @@ def crop_flip(x: Tensor, gen: torch.Generator, pad_frac: float = 0.125) -> Tenso
     return flip(out.gather(3, cols), gen)
 
 
+# ---- pixel-space augmentations (colour changes, black fill): they see images in [0, 1] --------------
+GREY = (0.299, 0.587, 0.114)  # ITU-R 601-2 luma, as torchvision's rgb_to_grayscale
+
+
+def _uniform(n: int, low: float, high: float, gen: torch.Generator, device: torch.device) -> Tensor:
+    """``n`` draws of U(low, high) from the CPU generator, moved to ``device`` (the same draws on every device)."""
+    return (low + (high - low) * torch.rand(n, generator=gen)).to(device)
+
+
+def _warp(x: Tensor, theta: Tensor, mode: str) -> Tensor:
+    """Resample every image through its affine map (output -> input, normalised coordinates); zeros outside."""
+    grid = torch.nn.functional.affine_grid(theta.to(x.dtype), list(x.shape), align_corners=False)
+    return torch.nn.functional.grid_sample(x, grid, mode=mode, padding_mode="zeros", align_corners=False)
+
+
+def random_resized_crop(x: Tensor, gen: torch.Generator, scale: tuple[float, float] = (0.2, 1.0),
+                        ratio: tuple[float, float] = (3 / 4, 4 / 3), tries: int = 10) -> Tensor:
+    """torchvision's RandomResizedCrop, batched: per image up to ``tries`` draws of an area fraction U(scale) and a
+    log-uniform aspect ratio, the first that fits (else the whole image), placed uniformly, resized bilinearly back."""
+    b, _, h, w = x.shape
+    area = (scale[0] + (scale[1] - scale[0]) * torch.rand(b, tries, generator=gen)) * (h * w)
+    log_r = math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * torch.rand(b, tries, generator=gen)
+    cw, ch = (area * log_r.exp()).sqrt().round(), (area / log_r.exp()).sqrt().round()
+    fits = (cw >= 1) & (cw <= w) & (ch >= 1) & (ch <= h)
+    first = fits.to(torch.int64).argmax(dim=1, keepdim=True)
+    cw = torch.where(fits.any(1), cw.gather(1, first).squeeze(1), torch.tensor(float(w)))
+    ch = torch.where(fits.any(1), ch.gather(1, first).squeeze(1), torch.tensor(float(h)))
+    x0 = torch.floor(torch.rand(b, generator=gen) * (w - cw + 1))
+    y0 = torch.floor(torch.rand(b, generator=gen) * (h - ch + 1))
+    zero = torch.zeros(b)
+    theta = torch.stack([torch.stack([cw / w, zero, (2 * x0 + cw) / w - 1], 1),
+                         torch.stack([zero, ch / h, (2 * y0 + ch) / h - 1], 1)], 1)
+    return _warp(x, theta.to(x.device), "bilinear")
+
+
+def rotate(x: Tensor, gen: torch.Generator, degrees: float = 15.0) -> Tensor:
+    """torchvision's RandomRotation(degrees), batched: an angle U(-degrees, degrees) per image about the centre,
+    nearest-neighbour resampling, black fill."""
+    angle = torch.deg2rad((2 * torch.rand(len(x), generator=gen) - 1) * degrees)
+    cos, sin, zero = angle.cos(), angle.sin(), torch.zeros(len(x))
+    theta = torch.stack([torch.stack([cos, -sin, zero], 1), torch.stack([sin, cos, zero], 1)], 1)
+    return _warp(x, theta.to(x.device), "nearest")
+
+
+def _grey(x: Tensor) -> Tensor:
+    """Luma (B,1,H,W) of RGB images."""
+    r, g, b = x.unbind(1)
+    return (GREY[0] * r + GREY[1] * g + GREY[2] * b).unsqueeze(1)
+
+
+def random_grayscale(x: Tensor, gen: torch.Generator, p: float = 0.2) -> Tensor:
+    """Each image turned grey (luma in all three channels) with probability ``p``."""
+    mask = (torch.rand(len(x), generator=gen) < p).to(x.device).view(-1, 1, 1, 1)
+    return torch.where(mask, _grey(x).expand_as(x), x)
+
+
+def _rgb_to_hsv(x: Tensor) -> Tensor:
+    """RGB in [0, 1] -> HSV in [0, 1] (torchvision's tensor formulas)."""
+    r, g, b = x.unbind(1)
+    maxc, minc = x.max(dim=1).values, x.min(dim=1).values
+    cr = maxc - minc
+    s = cr / torch.where(maxc == 0, torch.ones_like(maxc), maxc)
+    crd = torch.where(cr == 0, torch.ones_like(cr), cr)
+    rc, gc, bc = (maxc - r) / crd, (maxc - g) / crd, (maxc - b) / crd
+    hr = (maxc == r) * (bc - gc)
+    hg = ((maxc == g) & (maxc != r)) * (2.0 + rc - bc)
+    hb = ((maxc != g) & (maxc != r)) * (4.0 + gc - rc)
+    h = torch.fmod((hr + hg + hb) / 6.0 + 1.0, 1.0)
+    return torch.stack([h, s, maxc], 1)
+
+
+def _hsv_to_rgb(x: Tensor) -> Tensor:
+    """HSV in [0, 1] -> RGB in [0, 1] (torchvision's tensor formulas)."""
+    h, s, v = x.unbind(1)
+    i = torch.floor(h * 6.0)
+    f = h * 6.0 - i
+    i = i.to(torch.int64) % 6
+    p, q, t = (v * (1.0 - s)).clamp(0, 1), (v * (1.0 - s * f)).clamp(0, 1), (v * (1.0 - s * (1.0 - f))).clamp(0, 1)
+    mask = i.unsqueeze(1) == torch.arange(6, device=x.device).view(1, -1, 1, 1)
+    a1 = torch.stack((v, q, p, p, t, v), 1)
+    a2 = torch.stack((t, v, v, q, p, p), 1)
+    a3 = torch.stack((p, p, t, v, v, q), 1)
+    a4 = torch.stack((a1, a2, a3), 1)
+    return torch.einsum("...ijk, ...xijk -> ...xjk", mask.to(x.dtype), a4)
+
+
+def color_jitter(x: Tensor, gen: torch.Generator, brightness: float = 0.4, contrast: float = 0.4,
+                 saturation: float = 0.4, hue: float = 0.4) -> Tensor:
+    """torchvision's ColorJitter, batched, factors drawn per image: brightness, contrast and saturation factors
+    U(1 - s, 1 + s) (blends with black, the image's mean luma, its grey image), hue shift U(-hue, hue). The four
+    are applied in this fixed order (torchvision draws a random order per image; DEVIATIONS.md, FedPFT)."""
+    b, dev = len(x), x.device
+    f_b, f_c, f_s = (_uniform(b, max(0.0, 1 - s), 1 + s, gen, dev).view(-1, 1, 1, 1)
+                     for s in (brightness, contrast, saturation))
+    shift = _uniform(b, -hue, hue, gen, dev).view(-1, 1, 1)
+    x = (x * f_b).clamp(0, 1)
+    mean = _grey(x).mean(dim=(1, 2, 3), keepdim=True)
+    x = (f_c * x + (1 - f_c) * mean).clamp(0, 1)
+    x = (f_s * x + (1 - f_s) * _grey(x)).clamp(0, 1)
+    hsv = _rgb_to_hsv(x)
+    hsv = torch.stack([torch.remainder(hsv[:, 0] + shift, 1.0), hsv[:, 1], hsv[:, 2]], 1)
+    return _hsv_to_rgb(hsv)
+
+
+def moco_v1(x: Tensor, gen: torch.Generator) -> Tensor:
+    """MoCo v1's view (its main_moco.py without --aug-plus): RandomResizedCrop(scale 0.2-1), RandomGrayscale(0.2),
+    ColorJitter(0.4, 0.4, 0.4, 0.4), RandomHorizontalFlip, in that order."""
+    return flip(color_jitter(random_grayscale(random_resized_crop(x, gen), gen), gen), gen)
+
+
 #: name -> f(model-ready NCHW batch, generator) -> augmented batch; methods name them in ``augment``
 AUGMENTATIONS: dict[str, Callable[[Tensor, torch.Generator], Tensor]] = {"flip": flip, "crop_flip": crop_flip}
+#: name -> f(NCHW images in [0, 1], generator): applied between un- and re-normalisation by ``InputPipeline.augment``
+#: (colour changes and black fills are defined on pixels)
+PIXEL_AUGMENTATIONS: dict[str, Callable[[Tensor, torch.Generator], Tensor]] = {"moco_v1": moco_v1,
+                                                                                "rotate15": rotate}
 
 
 class InputPipeline:
@@ -97,15 +212,24 @@ class InputPipeline:
         else:
             x = self(split.x[idx])
             for name in augment:
-                x = AUGMENTATIONS[name](x, generator)
+                x = self.augment(x, name, generator)
         return Batch(x, split.y[idx], idx, {k: v[idx] for k, v in split.extras.items()})
+
+    def augment(self, x: Tensor, name: str, generator: torch.Generator) -> Tensor:
+        """The augmentation ``name`` of a model-ready batch (a pixel-space one on its un-normalised pixels)."""
+        if name in AUGMENTATIONS:
+            return AUGMENTATIONS[name](x, generator)
+        mean = torch.tensor(self.mean, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+        return (PIXEL_AUGMENTATIONS[name](x * std + mean, generator) - mean) / std
 
 
 def check_augment(names: tuple[str, ...], where: str) -> None:
     """Every named augmentation must exist."""
-    unknown = [n for n in names if n not in AUGMENTATIONS]
+    unknown = [n for n in names if n not in AUGMENTATIONS and n not in PIXEL_AUGMENTATIONS]
     if unknown:
-        raise ValueError(f"{where}: unknown augmentation(s) {unknown}; known: {sorted(AUGMENTATIONS)}")
+        raise ValueError(f"{where}: unknown augmentation(s) {unknown}; known: "
+                         f"{sorted(AUGMENTATIONS) + sorted(PIXEL_AUGMENTATIONS)}")
 
 
 @torch.no_grad()

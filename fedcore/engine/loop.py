@@ -190,6 +190,8 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
         state["server"] = strategy.aggregate(info, state["server"], results)
         losses = [float(res.stats.get("loss", float("nan"))) for res in results]
         state["rows"].append((r, -1, "train", "loss", float(sum(losses) / len(losses))))
+        if client.log_stats:
+            state["rows"].extend(_stat_rows(r, results))
         model = method.models[0].eval()  # evaluation: BatchNorm uses its statistics, dropout is off
         evaluator.load(model, None, state["server"], None, None)
         ctx = RoundContext(r, spec.evaluated(r), train, client_train, eval_sets, pipeline, eval_bs)
@@ -230,6 +232,18 @@ def _upload_rows(r: int, results: list[FitResult]) -> list[tuple[int, int, str, 
     return rows
 
 
+def _stat_rows(r: int, results: list[FitResult]) -> list[tuple[int, int, str, str, float]]:
+    """Each training stat besides ``loss`` as its mean over the round's clients that report it (NaN-free):
+    per-phase losses for a paper's loss curves (FedPFT Fig. 5)."""
+    names = sorted({k for res in results for k in res.stats} - {"loss"})
+    rows = []
+    for name in names:
+        values = [float(res.stats[name]) for res in results if name in res.stats]
+        values = [v for v in values if v == v]
+        rows.append((r, -1, "train", name, sum(values) / len(values) if values else float("nan")))
+    return rows
+
+
 def _client_data(c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSplit, pipeline: InputPipeline,
                  settings: TrainSettings, augment: tuple[str, ...] = (), stream: int = 0,
                  min_batch: int = 1) -> ClientData:
@@ -237,7 +251,8 @@ def _client_data(c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSpli
     batch smaller than ``min_batch`` is skipped."""
     gen = torch.Generator(device="cpu").manual_seed(stream_seed(seed, r, c, stream))
     return ClientData(c, len(idx), lambda: iterate_batches(train, idx, settings.batch_size, pipeline, gen, augment,
-                                                           min_batch), gen, settings)
+                                                           min_batch), gen, settings,
+                      lambda x, name: pipeline.augment(x, name, gen))
 
 
 def trains_batchnorm(model: torch.nn.Module) -> bool:

@@ -30,6 +30,9 @@ class ClientData:
     generator: torch.Generator              # for any other randomness of this client in this round
     settings: TrainSettings | None = None   # the experiment's budget and optimiser (a client that trains at
                                             # evaluation time reads it; None where no experiment is at hand)
+    # the run's augmentation ``name`` of a model-ready batch, drawing from ``generator`` (views a method makes
+    # itself, e.g. FedPFT's two MoCo views; fedcore.engine.data.InputPipeline.augment); None outside a run
+    augment: Callable[[Tensor, str], Tensor] | None = None
 
 
 def autocast_for(x: Tensor) -> torch.autocast:

@@ -160,6 +160,8 @@ class Client(Role):
     keep_optimizer: ClassVar[bool] = False
     #: on-device augmentations of training batches (fedcore.engine.data.AUGMENTATIONS), seeded per client/round
     augment: ClassVar[tuple[str, ...]] = ()
+    #: the engine logs every stat of ``FitResult.stats`` (not only ``loss``), as its mean over the round's clients
+    log_stats: ClassVar[bool] = False
 
     def shared_keys(self, keys: list[str]) -> list[str]:
         """State keys sent to the server (default: all)."""
@@ -317,6 +319,11 @@ class Method:
         """Raise ValueError naming the key for invalid params that ``param_rules`` cannot express (all keys
         present: defaults merged). Called when the config is loaded, for every run, and again when the method
         is built (default: nothing to check)."""
+
+    @classmethod
+    def check_federation(cls, params: dict[str, Any], federation: dict[str, Any]) -> None:
+        """Raise ValueError naming the key for params that do not fit the run's federation block (rounds,
+        local_epochs, ...); called when the config is loaded, for every run (default: nothing to check)."""
 
     def build(self, backbone: nn.Module) -> nn.Module:
         """The model holding every trainable tensor around ``backbone`` (shared, not copied)."""

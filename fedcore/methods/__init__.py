@@ -38,6 +38,7 @@ METHODS: dict[str, str] = {
     "pfedsd": "pfedsd",
     "pfedgate": "pfedgate",
     "fedcac": "fedcac",
+    "fedpft": "fedpft",
 }
 
 

@@ -13,19 +13,21 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedcore.io import atomic_path
-from fedcore.report.tables import metric_key
+from fedcore.report.tables import PERCENT, metric_factor, metric_key
 
 PNG_DPI = 150
 PANEL_SIZE = (4.5, 3.4)  # inches per panel
 METRIC_LABELS = {"global_acc": "global accuracy", "local_acc": "mean local accuracy",
                  "worst_local_acc": "worst local accuracy", "select_cluster_acc": "Select clustering accuracy",
-                 "global_acc_min": "lowest client's accuracy", "global_acc_max": "highest client's accuracy"}
+                 "global_acc_min": "lowest client's accuracy", "global_acc_max": "highest client's accuracy",
+                 "train_ce": "mean training L_CE", "train_con": "mean training L_Con"}
 
 
-def curve(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per round: mean and std (ddof=1) over seeds in %, and the number of seeds evaluated there."""
+def curve(rows: pd.DataFrame, factor: float = PERCENT) -> pd.DataFrame:
+    """Per round: mean and std (ddof=1) over seeds in the metric's unit (accuracies in %), and the number of seeds
+    evaluated there."""
     stats = rows.groupby("round")["value"].agg(["mean", "std", "count"]).sort_index()
-    stats[["mean", "std"]] *= 100.0
+    stats[["mean", "std"]] *= factor
     return stats
 
 
@@ -51,7 +53,8 @@ def metric_label(fig_cfg: dict) -> str:
     """Axis label for the plotted metric."""
     if fig_cfg["metric"] == "client_acc":
         return f"client {fig_cfg['client']} local accuracy (%)"
-    return f"{METRIC_LABELS.get(fig_cfg['metric'], fig_cfg['metric'])} (%)"
+    unit = " (%)" if metric_factor(fig_cfg) == PERCENT else ""
+    return f"{METRIC_LABELS.get(fig_cfg['metric'], fig_cfg['metric'])}{unit}"
 
 
 def method_colors(methods: list[str]) -> dict[str, tuple]:
@@ -84,7 +87,7 @@ def draw_panel(ax, rows: pd.DataFrame, experiment: str, fig_cfg: dict, colors: d
         ax.set_yticks([])
         return
     for method in methods:
-        stats = curve(rows.loc[rows["method"] == method])
+        stats = curve(rows.loc[rows["method"] == method], metric_factor(fig_cfg))
         n_seeds = rows.loc[rows["method"] == method, "seed"].nunique()
         ax.plot(stats.index, stats["mean"], marker="o", markersize=3, color=colors[method],
                 label=f"{method} (n={n_seeds})")

@@ -31,10 +31,10 @@ def build_param_table(counts: pd.DataFrame, table_cfg: dict) -> pd.DataFrame:
         raise ValueError(f"param counts hold columns {list(counts['column'])}, the table has {len(cols)}: "
                          "rerun the param_counts probe")
     rows = []
-    which = table_cfg.get("count", "trainable")   # FedHPL Table 7 counts entire models
+    which = table_cfg.get("count", "trainable")   # FedHPL Table 7 counts entire models; FedPFT Table 10 uploads
     for j, (col, cnt) in enumerate(zip(cols, counts.itertuples())):
         paper = math.nan if col.get("paper") is None else float(col["paper"])
-        value = getattr(cnt, which)
+        value = getattr(cnt, which, math.nan)
         ours = float(value) if cnt.status == OK and not pd.isna(value) else math.nan
         rows.append({"column": j, "method": col["method"], "architecture": col["architecture"],
                      "source": cnt.source, "arch": cnt.arch, "trainable": ours,

@@ -60,12 +60,17 @@ METRIC_KEYS: dict[str, tuple[str, int, str]] = {
     # what the clients sent (the engine counts every uplink): the mean per client and the round's total
     "upload_numbers": ("train", -1, "upload_numbers_mean"),
     "upload_total_M": ("train", -1, "upload_numbers_total"),
+    # mean training losses over the round's clients (FedPFT Fig. 5: L_CE and L_Con, logged by Client.log_stats)
+    "train_ce": ("train", -1, "ce"),
+    "train_con": ("train", -1, "con"),
 }
 
 # A metric's factor from the logged value to the table's unit (default: a fraction shown in %).
 METRIC_UNITS: dict[str, float] = {
     "upload_numbers": 1.0,
     "upload_total_M": 2.0 ** -20,   # FedHPL Table 10 counts in M = 2^20 numbers
+    "train_ce": 1.0,
+    "train_con": 1.0,
 }
 PERCENT = 100.0
 
@@ -88,7 +93,7 @@ STATUS_NOTES = {
 TABLE_COLUMNS = [
     "row", "row_label", "column", "col_index", "experiment", "metric", "client", "window",
     "ours", "ours_std", "n_seeds", "rounds_used", "short_window", "incomplete", "untrained",
-    "paper", "diff", "status", "scale", "paper_role",
+    "paper", "diff", "status", "scale", "paper_role", "paper_std",
 ]
 
 
@@ -208,14 +213,14 @@ def _incomplete(run: pd.DataFrame, experiment: dict) -> bool:
 # build_table
 # ----------------------------------------------------------------------------------------------
 
-def _paper_numbers(table_cfg: dict, row: str) -> list[float | None]:
-    """The paper's numbers for one row, one per column (None = no such cell)."""
+def _paper_numbers(table_cfg: dict, row: str, key: str = "paper") -> list[float | None]:
+    """The paper's numbers for one row, one per column (None = no such cell); ``key`` paper_std: their stds."""
     n_cols = len(table_cfg["columns"])
-    values = (table_cfg.get("paper") or {}).get(row)
+    values = (table_cfg.get(key) or {}).get(row)
     if values is None:
         return [None] * n_cols
     if len(values) != n_cols:
-        raise ValueError(f"paper row {row!r} has {len(values)} numbers for {n_cols} columns")
+        raise ValueError(f"{key} row {row!r} has {len(values)} numbers for {n_cols} columns")
     return [None if v is None else float(v) for v in values]
 
 
@@ -313,7 +318,7 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
     labels = table_cfg.get("row_labels") or {}
     records = []
     for row in table_cfg["rows"]:
-        paper = _paper_numbers(table_cfg, row)
+        paper, paper_std = _paper_numbers(table_cfg, row), _paper_numbers(table_cfg, row, "paper_std")
         for j, col in enumerate(table_cfg["columns"]):
             method, col = row_source(table_cfg, row, col)
             cell = build_cell(metrics, method, col, experiments[col["experiment"]], scale, implemented_methods)
@@ -321,11 +326,12 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
             diff = cell["ours"] - paper_j if scale == "paper" else math.nan
             records.append({"row": row, "row_label": labels.get(row, row), "column": col["label"],
                             "col_index": j, **cell, "paper": paper_j, "diff": diff,
-                            "scale": scale, "paper_role": PAPER_ROLE[scale]})
+                            "scale": scale, "paper_role": PAPER_ROLE[scale],
+                            "paper_std": math.nan if paper_std[j] is None else paper_std[j]})
     table = pd.DataFrame.from_records(records, columns=TABLE_COLUMNS)
     return table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64",
                          "rounds_used": "Int64", "ours": "float64", "ours_std": "float64",
-                         "paper": "float64", "diff": "float64", "short_window": "bool",
+                         "paper": "float64", "diff": "float64", "paper_std": "float64", "short_window": "bool",
                          "incomplete": "bool", "untrained": "bool"})
 
 
@@ -384,7 +390,10 @@ def _subheaders(scale: str) -> list[str]:
 
 def _cell_texts(cell: pd.Series, scale: str, typical: int, bold: bool, decimals: int = 2) -> list[tuple[str, bool]]:
     """The (text, bold) entries one table cell expands to."""
-    out = [(ours_text(cell, typical, decimals), bold), (_fmt(cell["paper"], decimals=decimals), False)]
+    paper = _fmt(cell["paper"], decimals=decimals)
+    if not math.isnan(cell.get("paper_std", math.nan)):  # FedPFT's tables print mean ± std over 3 seeds
+        paper += f" ± {cell['paper_std']:.{decimals}f}"
+    out = [(ours_text(cell, typical, decimals), bold), (paper, False)]
     if scale == "paper":
         out.append((_fmt(cell["diff"], signed=True, decimals=decimals), False))
     return out
