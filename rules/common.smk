@@ -53,10 +53,14 @@ def backbone_file(name):
 
 
 def pretrain_code(name):
-    """The code a pretraining job runs: the supervised objective's files, and pretrain_moco.py for moco."""
+    """The code a pretraining job runs: the supervised objective's files, and pretrain_moco.py for moco,
+    pretrain_clip.py and clip.py for clip."""
     files = ["pretrain.py", "registry.py", "vit.py", "resnet.py"]
-    if CFG.backbones[name]["pretrain"].get("objective") == "moco":
+    objective = CFG.backbones[name]["pretrain"].get("objective")
+    if objective == "moco":
         files.append("pretrain_moco.py")
+    if objective == "clip":
+        files += ["pretrain_clip.py", "clip.py"]
     return [str(FEDCORE / "backbones" / f) for f in files]
 
 

@@ -1,5 +1,6 @@
 """Supervised pretraining of a tiny backbone (ViT or ResNet) on a dataset's held-out `pretrain` split (mini scale);
-``pretrain`` dispatches on config/backbones.yaml's ``pretrain.objective`` (supervised here, moco in pretrain_moco)."""
+``pretrain`` dispatches on config/backbones.yaml's ``pretrain.objective`` (supervised here, moco in pretrain_moco,
+clip in pretrain_clip)."""
 from __future__ import annotations
 
 import contextlib
@@ -204,7 +205,7 @@ def pretrain_backbone(
     )
 
 
-OBJECTIVES = ("supervised", "moco")
+OBJECTIVES = ("supervised", "moco", "clip")
 # pretrain settings that are not config keys: the pipeline passes them (rule pretrain_backbone)
 _NOT_CONFIG = {"bundle", "arch", "tag", "seed", "out_path", "threads", "progress", "device"}
 
@@ -217,6 +218,10 @@ def _pretrainer(objective: str):
         from fedcore.backbones.pretrain_moco import pretrain_moco
 
         return pretrain_moco
+    if objective == "clip":
+        from fedcore.backbones.pretrain_clip import pretrain_clip
+
+        return pretrain_clip
     raise ValueError(f"pretrain objective must be one of {OBJECTIVES}, got {objective!r}")
 
 
@@ -227,6 +232,7 @@ def objective_keys(objective: str) -> list[str]:
 
 def pretrain(bundle: DatasetBundle, arch: str, tag: str | None = None, objective: str = "supervised",
              **kwargs) -> dict:
-    """Pretrain `arch` on bundle.pretrain by `objective`: supervised (labels, ``pretrain_backbone``) or moco
-    (self-supervised MoCo v3, ``pretrain_moco.pretrain_moco``); the other keywords go to that function."""
+    """Pretrain `arch` on bundle.pretrain by `objective`: supervised (labels, ``pretrain_backbone``), moco
+    (self-supervised MoCo v3, ``pretrain_moco.pretrain_moco``) or clip (image-text contrastive, a CLIP arch:
+    ``pretrain_clip.pretrain_clip``); the other keywords go to that function."""
     return _pretrainer(objective)(bundle, arch, tag, **kwargs)

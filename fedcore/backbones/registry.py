@@ -109,6 +109,14 @@ def _tv_resnet(name: str, dim: int) -> ArchSpec:
     return ArchSpec("resnet", "torchvision", name, {}, depth=4, dim=dim, default_tag="tv_in1k", classifier="fc.")
 
 
+def _clip_mini(embed_dim: int, vision: dict, text: dict) -> ArchSpec:
+    """A tiny open_clip CLIP (16-px images, 4-px patches: M = 16; BPE text of 32 tokens) built from its config."""
+    model_cfg = dict(embed_dim=embed_dim, vision_cfg=dict(image_size=16, patch_size=4, **vision),
+                     text_cfg=dict(context_length=32, vocab_size=49408, **text))  # open_clip's BPE vocabulary
+    return ArchSpec("clip", "open_clip", "CLIP", dict(model_cfg=model_cfg), depth=vision["layers"], dim=embed_dim,
+                    patch_size=4, default_tag="digits")
+
+
 ARCH_SPECS: dict[str, ArchSpec] = {
     # Mini scale (pretrained by the pipeline on the held-out digits split; see rules/backbones.smk).
     # Three tiny ViTs for a heterogeneous-ViT setting mirroring ViT-S/B/L: _s halves the width at the same
@@ -130,6 +138,9 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     # ratio 2, and vit_mini_s's width and depth (dim 32, 4 blocks, 2 heads): ~36 K params, cheap on a CPU.
     "vit_pfedpt": _vit_scratch(32, dim=128, depth=8, heads=8, mlp_ratio=2.0),
     "vit_pfedpt_mini": _vit_scratch(16, dim=32, depth=4, heads=2, mlp_ratio=2.0),
+    # FedOTP's mini CLIP: vit_mini's image tower (width 64, 4 blocks, 4 heads of 16) and a 2-block text tower
+    # of the same width, pretrained contrastively on the held-out digits (pretrain_clip.py).
+    "clip_mini": _clip_mini(64, dict(width=64, layers=4, head_width=16), dict(width=64, heads=4, layers=2)),
     # Paper scale: local weight files only.
     "vit_small_patch16_224": _timm_vit("vit_small_patch16_224", 384, 12, "augreg_in21k"),
     "vit_base_patch16_224": _timm_vit("vit_base_patch16_224", 768, 12, "orig_in21k"),
@@ -151,6 +162,9 @@ _DIGITS_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS, rule="pretrain_bac
 # the same split without its labels, by MoCo v3 (pretrain_moco.py): the self-supervised twins of the tiny ViTs
 _DIGITS_MOCO_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS.replace("pretrained", "self-supervised (MoCo v3)"),
                                  rule="pretrain_backbone")
+# the same split with captions made from its labels and styles, by CLIP's contrastive objective (pretrain_clip.py)
+_DIGITS_CLIP_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS.replace("pretrained", "image-text pretrained (CLIP)"),
+                                 rule="pretrain_backbone")
 
 # no weight file: a method builds these archs and trains them from random weights; PFLlib's CIFAR/SVHN inputs
 _SCRATCH = "random init, trained from scratch by the method that names it (no weight file)"
@@ -170,6 +184,7 @@ PRETRAINED_CFGS: dict[str, PretrainedCfg] = {
     **{f"{a}.digits": _DIGITS_CFG for a in ("vit_mini_s", "vit_mini", "vit_mini_l", "resnet_mini_18",
                                              "resnet_mini_34", "resnet_mini_50")},
     **{f"{a}.digits_moco": _DIGITS_MOCO_CFG for a in ("vit_mini_s", "vit_mini", "vit_mini_l")},
+    "clip_mini.digits": _DIGITS_CLIP_CFG,
     "vit_pfedpt.scratch": PretrainedCfg(32, **IN21K_NORM, source=_SCRATCH),
     "vit_pfedpt_mini.scratch": PretrainedCfg(16, **IN21K_NORM, source=_SCRATCH),
     **{f"{arch}.{tag}": PretrainedCfg(224, **IN21K_NORM,
@@ -563,7 +578,8 @@ def model_facts(model: nn.Module) -> dict:
 
 
 def prompt_adapter(model: nn.Module) -> nn.Module:
-    """The family's prompt adapter around a built backbone: PromptedViT (vit) or PromptedResNet (resnet)."""
+    """The family's prompt adapter around a built backbone: PromptedViT (vit), PromptedResNet (resnet) or
+    PromptedCLIP (clip: learnable text context, patch tokens for FedOTP's OT)."""
     family = model_family(model)
     if family == "vit":
         from fedcore.backbones.prompted import PromptedViT
@@ -573,5 +589,6 @@ def prompt_adapter(model: nn.Module) -> nn.Module:
         from fedcore.backbones.resnet import PromptedResNet
 
         return PromptedResNet(model)
-    raise NotImplementedError(f"no prompt adapter for the {family!r} family yet: the CLIP adapter (text prompts, "
-                              f"patch tokens for OT) comes with the FedOTP issue")
+    from fedcore.backbones.clip import PromptedCLIP
+
+    return PromptedCLIP(model)

@@ -18,6 +18,10 @@ PRETRAIN split that no federated client ever sees; it is rendered in all six sty
 ViT pretrained on it learns style-robust features. The rest is split 75/25 into train/test. In the
 styled sets each train/test image is rendered in exactly one style, assigned deterministically,
 stratified by class and with near-equal style sizes; ``domain`` is the style index.
+
+``meta["clip_names"]`` names each class for a CLIP text prompt ("zero" .. "nine"; "<style> <word>" where the
+style is part of the class), ``meta["pretrain_clip_names"]`` the pretrain split's labels: FedOTP's prompts and
+the tiny CLIP's captions (fedcore/backbones/pretrain_clip.py) read them; images and labels do not change.
 """
 from __future__ import annotations
 
@@ -99,6 +103,8 @@ STYLE_FNS: dict[str, StyleFn] = {
 # dataset name -> number of styles used as domains (the first k of STYLES; 0 = clean, no domains)
 EMBEDDED_DATASETS: dict[str, int] = {"digits": 0, "digits_styles4": 4, "digits_styles6": 6, "digits_five": 5}
 NUM_DIGITS = 10
+# how a CLIP prompt names digit d (meta "clip_names"): a word, as CLIP's captions spell numbers, not the glyph
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 # public dataset name -> the one style all its images are rendered in (not a domain: no domain labels)
 PUBLIC_DATASETS: dict[str, str] = {"digits_public": "inverted"}
 
@@ -191,6 +197,7 @@ def build_public(name: str, size: int = IMAGE_SIZE) -> DatasetBundle:
 
     meta = {"source": SOURCE, "image_size": size, "style": style, "split_seed": SPLIT_SEED,
             "classes": [f"{style}:{c}" for c in range(NUM_DIGITS)],
+            "clip_names": [f"{style} {w}" for w in DIGIT_WORDS],
             "note": "train: the held-out pretrain images; test: the test images; both rendered in one style"}
     return DatasetBundle(train=split("pretrain"), test=split("test"), meta=meta)
 
@@ -214,6 +221,7 @@ def build_embedded(name: str, size: int = IMAGE_SIZE) -> DatasetBundle:
     meta: dict = {
         "source": SOURCE, "image_size": size, "styles": list(STYLES),
         "pretrain_classes": digits,
+        "pretrain_clip_names": list(DIGIT_WORDS),
         "pretrain_note": "held-out images rendered in every style; domain = index into 'styles'",
         "split_seed": SPLIT_SEED,
     }
@@ -223,6 +231,9 @@ def build_embedded(name: str, size: int = IMAGE_SIZE) -> DatasetBundle:
     else:
         meta["domains"] = list(STYLES[:k])
         meta["classes"] = ([f"{s}:{c}" for s in STYLES[:k] for c in digits] if name == "digits_five" else digits)
+    # CLIP prompt names, one per class (FedOTP's text prompts; a 50-way class is "<style> <digit word>")
+    meta["clip_names"] = ([f"{s} {w}" for s in STYLES[:k] for w in DIGIT_WORDS] if name == "digits_five"
+                          else list(DIGIT_WORDS))
     fifty = name == "digits_five"
     bundle = DatasetBundle(
         train=split("train", fifty, k > 0, k == 0),
