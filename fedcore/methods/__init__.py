@@ -31,6 +31,11 @@ METHODS: dict[str, str] = {
     "fedtgp": "fedtgp",
     "fedgen": "fedgen",
     "fedgh": "fedgh",
+    "fedotp": "fedotp",
+    "coop": "coop",
+    "promptfl": "promptfl",
+    "promptfl_fedprox": "promptfl_fedprox",
+    "zs_clip": "zs_clip",
 }
 
 
