@@ -69,6 +69,7 @@ def _iterate(Q: Tensor | None, logQ: Tensor | None, a: float, b: float, clip_row
     v = K.new_zeros(P, N) if log_domain else K.new_ones(P, N)
     active = torch.ones(P, dtype=torch.bool, device=K.device)
     la, lb = torch.log(K.new_tensor(a)), torch.log(K.new_tensor(b))
+    Qt = None if log_domain else Q.transpose(1, 2).contiguous()  # (P, N, M): Q^T u as one batched matvec
     for _ in range(int(max_iter)):
         if log_domain:
             u_new = la - torch.logsumexp(logQ + v[:, None, :], dim=2)
@@ -78,10 +79,10 @@ def _iterate(Q: Tensor | None, logQ: Tensor | None, a: float, b: float, clip_row
             old, new = (u, u_new) if watch_rows else (v, v_new)
             delta = (new.exp() - old.exp()).abs()
         else:
-            u_new = a / (Q * v[:, None, :]).sum(2)
+            u_new = a / torch.bmm(Q, v.unsqueeze(2)).squeeze(2)
             if clip_rows:
                 u_new = u_new.clamp(max=1.0)
-            v_new = b / (Q * u_new[:, :, None]).sum(1)
+            v_new = b / torch.bmm(Qt, u_new.unsqueeze(2)).squeeze(2)
             delta = (u_new - u).abs() if watch_rows else (v_new - v).abs()
         u = torch.where(active[:, None], u_new, u)
         v = torch.where(active[:, None], v_new, v)
