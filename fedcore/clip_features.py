@@ -6,11 +6,11 @@ CLIP, the CLS token) reads the file instead of running the image tower. Inputs g
 transform only (InputPipeline: resize + normalise), not the official code's random-resized-crop training
 augmentation (the methods record this as a deviation).
 
-Stored float16, (N, 1+M, embed_dim) per split, in one .npz. Sizes: mini (clip_mini, digits) 1,257 + 420 images x
-17 x 64 ~ 3.6 MB; paper, CIFAR-100 with ViT-B/16: 60,000 x 197 x 512 x 2 B = 12.1 GB (train 10.1 GB), which the
-build holds once in host memory and a run loads onto its GPU (float16 keeps it there at half the fp32 size; the
-methods cast batches to float32). float16 keeps ~3 significant digits: cosine similarities move by ~1e-3 at
-most, below what the OT's λ = 0.1 resolves.
+Stored float16, (N, 1+M, embed_dim) per split, in one .npz. Sizes: mini (clip_mini, digits) 942 + 315 images
+x 17 x 64 x 2 B = 2.7 MB; paper, CIFAR-100 with ViT-B/16: 60,000 x 197 x 512 x 2 B = 12.1 GB (train 10.1 GB),
+which the build holds once in host memory and a run loads onto its GPU (float16 keeps it there at half the fp32
+size; the methods cast batches to float32). float16 keeps ~3 significant digits: cosine similarities move by
+~1e-3 at most, below what the OT's λ = 0.1 resolves.
 """
 from __future__ import annotations
 

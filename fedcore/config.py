@@ -548,6 +548,8 @@ def _runnable(resolved: Resolved) -> set[str]:
 
 def figure_experiments(fig: dict) -> list[str]:
     """The experiments a figure reads (one panel each for accuracy_per_round and per_class)."""
+    if fig["kind"] == "partition_grid":
+        return list(dict.fromkeys(p["experiment"] for p in fig["panels"]))
     if fig["kind"] == "per_class":  # a line may read another experiment per panel (experiment_replace)
         from fedcore.report.tables import replace_experiment
 

@@ -27,13 +27,15 @@ FORMAT = "fedcore-select-queries-v1"
 
 @torch.no_grad()
 def layer_features(backbone: PromptedViT, split: DeviceSplit, pipeline: InputPipeline, blocks: list[int],
-                   batch_size: int = 256, indices: torch.Tensor | None = None) -> dict[int, np.ndarray]:
-    """Final-norm CLS token after each of ``blocks`` (0-indexed), float32 (N, D) per block, no prompts."""
+                   batch_size: int = 256, indices: torch.Tensor | None = None,
+                   bf16: bool = True) -> dict[int, np.ndarray]:
+    """Final-norm CLS token after each of ``blocks`` (0-indexed), float32 (N, D) per block, no prompts; computed
+    under bf16 autocast on CUDA unless ``bf16`` is False (then fp32 throughout)."""
     idx = torch.arange(len(split.y), device=split.y.device) if indices is None else indices
     out: dict[int, list[torch.Tensor]] = {b: [] for b in blocks}
     for chunk in idx.split(batch_size):
         x = pipeline(split.x[chunk])
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and x.is_cuda):
             # one pass to the deepest block; the final norm is applied to each requested block's tokens
             for b, cls in backbone.cls_features(x, blocks).items():
                 out[b].append(cls.float().cpu())
@@ -48,6 +50,9 @@ def compute_select_queries(dataset_path: str | Path, arch: str, weights: str | P
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)
+    # full fp32 also inside CUDA kernels: TF32 (cuDNN's default for convolutions: the patch embedding) keeps
+    # bf16-like 10-bit mantissas; this job computes nothing else
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     vit = build_vit(arch, weights)
     depth = len(vit.blocks)
     if not 0 <= block < depth:
@@ -59,7 +64,10 @@ def compute_select_queries(dataset_path: str | Path, arch: str, weights: str | P
     feats = {}
     with attention_backend(dev):
         for name, ds in (("train", bundle.train), ("test", bundle.test)):
-            feats[name] = layer_features(backbone, DeviceSplit.from_arrays(ds, dev), pipeline, [block])[block]
+            # fp32 (SGPT audit, issue 12 item 5): a query decides a group assignment by a key's argmax; one pass
+            # per dataset is cheap, so bf16 rounding never decides it
+            feats[name] = layer_features(backbone, DeviceSplit.from_arrays(ds, dev), pipeline, [block],
+                                         bf16=False)[block]
     # the dataset relative to the working directory: the file's bytes then do not depend on where the
     # checkout lies (an absolute path would make two otherwise equal result directories differ)
     meta = {"format": FORMAT, "arch": arch, "block": block, "dataset": Path(os.path.relpath(dataset_path)).as_posix()}

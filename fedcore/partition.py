@@ -669,12 +669,15 @@ def _domain(spec: dict, train_domain: np.ndarray, test_domain: np.ndarray, rng: 
     if missing:
         raise ValueError(f"domain partition: test domains {missing} have no train samples")
     train, test = [], []
+    in_file_order = spec["train_fraction_of_min"] is not None
     for d in domains:
         tr_pool = rng.permutation(np.flatnonzero(train_domain == d))
         te_pool = rng.permutation(np.flatnonzero(test_domain == d))
+        if in_file_order:  # the SGPT code's subset is a prefix of the domain's pickle, not a random draw
+            tr_pool = np.sort(tr_pool)  # the permutation still runs so that the test shards stay the same
         train += [s.astype(np.int64) for s in np.array_split(tr_pool, k)]
         test += [s.astype(np.int64) for s in np.array_split(te_pool, k)]
-    if spec["train_fraction_of_min"] is not None:
+    if in_file_order:
         # Office 0.5 / DomainNet 0.05 rule: every client keeps the first int(f * smallest pool) samples
         n = int(spec["train_fraction_of_min"] * min(len(t) for t in train))
         train = [t[:n] for t in train]

@@ -44,6 +44,21 @@ def _draw(ax, m: np.ndarray, label: str, fig: Figure) -> None:
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, label="samples")
 
 
+def class_heatmap_grid(panels: list[tuple[pd.DataFrame, str]], cols: int, split: str = "train") -> Figure:
+    """One client x class heat map of ``split`` counts per (counts, label) panel, ``cols`` panels a row (FedHPL
+    Fig. 4: three datasets x IID / Dir / Non-IID)."""
+    rows = max(1, -(-len(panels) // cols))
+    fig = Figure(figsize=(4.6 * cols, 3.4 * rows), layout="constrained")
+    axes = np.atleast_2d(fig.subplots(rows, cols, squeeze=False))
+    for ax, (counts_df, label) in zip(axes.ravel(), panels):
+        n_clients = int(counts_df["client"].max()) + 1 if len(counts_df) else 1
+        n_classes = int(counts_df["class"].max()) + 1 if len(counts_df) else 1
+        _draw(ax, _matrix(counts_df, split, n_clients, n_classes), label, fig)
+    for ax in axes.ravel()[len(panels):]:
+        ax.set_visible(False)
+    return fig
+
+
 def plot_class_heatmap(
     counts_df: pd.DataFrame,
     out_png: str | Path,

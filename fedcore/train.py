@@ -101,7 +101,9 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     part = Partition.load(partition_path)
     check_partition(part, len(bundle.train), len(bundle.test), str(partition_path))
     archs = backbone_arch if isinstance(backbone_arch, list) else [backbone_arch]
-    weights = backbone_weights if isinstance(backbone_weights, list) else [backbone_weights]
+    # None: every backbone is drawn at random (scratch backbones; the seeded init below)
+    weights = (backbone_weights if isinstance(backbone_weights, list)
+               else [backbone_weights] * (len(archs) if backbone_weights is None else 1))
     digests = backbone_sha256 if isinstance(backbone_sha256, list) else [backbone_sha256] * len(weights)
     if len(digests) != len(weights):
         raise ValueError(f"{len(weights)} weight files but {len(digests)} sha256 digests: give one per file")

@@ -45,8 +45,11 @@ def partition_file(exp, seed):
 
 
 def backbone_file(name):
-    """Pretrained at mini scale by the pipeline; a local weight file at paper scale."""
+    """Pretrained at mini scale by the pipeline; a local weight file at paper scale; None for a backbone trained
+    from scratch (`scratch: true`: the run draws its weights)."""
     entry = CFG.backbones[name]
+    if entry.get("scratch"):
+        return None
     if "pretrain" in entry:
         return f"{RESULTS}/backbones/{name}.pt"
     return f"{RESOURCES}/weights/{entry['weights']}"
@@ -126,9 +129,10 @@ def train_inputs(wildcards):
     }
     cls = method_class(base)
     params = {**cls.defaults, **CFG.method_params(wildcards.experiment, wildcards.method)}
-    if cls.own_backbone(params) is None:  # else the method trains its own arch from scratch (pFedPT): no file
-        out["backbone"] = ([backbone_file(b) for b in run_backbones(exp)] if "client_backbones" in exp
-                           else backbone_file(exp["backbone"]))
+    files = [backbone_file(b) for b in run_backbones(exp)]
+    # no file when the method trains its own arch (pFedPT) or the backbone is drawn at random (`scratch: true`)
+    if cls.own_backbone(params) is None and None not in files:
+        out["backbone"] = files if "client_backbones" in exp else files[0]
     for role, name in cls.extra_datasets(params).items():  # FedMD's public data
         out[f"extra_dataset_{role}"] = dataset_file(name)
     for name, path in artifact_files(wildcards.experiment, wildcards.method).items():

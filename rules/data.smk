@@ -48,7 +48,9 @@ rule check_data:
         touch(f"{RESULTS}/check_data.{SCALE}.ok"),
     params:
         datasets=CFG.datasets(),
-        weights=[backbone_file(b) for b in CFG.backbones_needed() if "pretrain" not in CFG.backbones[b]],
+        # the user's weight files (not the pipeline's pretrained ones, not the scratch backbones that have none)
+        weights=[backbone_file(b) for b in CFG.backbones_needed()
+                 if backbone_file(b) is not None and "pretrain" not in CFG.backbones[b]],
         resources=RESOURCES,
         checksums=str(CFG.checksums_path),
     log:

@@ -8,7 +8,8 @@ rule features:
         dataset=lambda wc: dataset_file(wc.dataset),
         backbone=lambda wc: backbone_file(wc.backbone),
         code=lambda wc: [str(FEDCORE / f) for f in ("artifacts.py", "features.py", "backbones/vit.py",
-                                                    "backbones/images.py", "backbones/prompted.py", "backbones/registry.py")
+                                                    "backbones/images.py", "backbones/prompted.py",
+                                                    "backbones/registry.py")
                          + (("clip_features.py", "backbones/clip.py") if wc.artifact == "clip_tokens" else ())],
     output:
         f"{RESULTS}/features/{{backbone}}/{{dataset}}/{{artifact}}.npz",

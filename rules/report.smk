@@ -24,6 +24,8 @@ def report_data(name, kind_input):
         return f"{RESULTS}/probes/{name}/congruence.csv"
     if kind_input == "partition":
         return partition_counts_file(CFG.figures[name]["experiment"], CFG.seeds[0])
+    if kind_input == "partitions":
+        return [partition_counts_file(p["experiment"], CFG.seeds[0]) for p in CFG.figures[name]["panels"]]
     raise ValueError(f"unknown report input {kind_input!r}")
 
 

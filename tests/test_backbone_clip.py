@@ -107,3 +107,58 @@ def test_bad_inputs_are_named(adapter) -> None:
     small = open_clip.CLIP(**{**TINY, "text_cfg": {**TINY["text_cfg"], "vocab_size": 64}})
     with pytest.raises(ValueError, match="vocabulary has 64"):
         PromptedCLIP(small).tokenize_classnames(["one"], n_ctx=2)
+
+
+def test_paper_clip_shapes_and_quickgelu() -> None:
+    from fedcore.backbones.registry import build_backbone
+
+    from fedcore.backbones.registry import CLIP_NORM
+    from fedcore.backbones.vit import backbone_info
+
+    with torch.device("meta"):  # ViT-B/16's real shapes without allocating them
+        model = build_backbone("clip_vit_b16")
+        adapter = prompt_adapter(model)
+    info = backbone_info(model)  # the input contract of the openai tag
+    assert (info["img_size"], info["mean"], info["std"], info["family"]) == (224, *CLIP_NORM.values(), "clip")
+    assert (adapter.embed_dim, adapter.text_width, adapter.context_length) == (512, 512, 77)
+    assert (adapter.num_patches, adapter.img_size, adapter.patch_size) == (196, 224, 16)
+    acts = {type(m).__name__ for m in adapter.clip.modules() if "GELU" in type(m).__name__}
+    assert acts == {"QuickGELU"}  # OpenAI's weights were trained with it (spec fedotp §1.1)
+
+
+def test_open_clip_weight_file_through_our_builder(tmp_path) -> None:
+    """A safetensors file of a random CLIP loads through _build_open_clip as clip_vit_b16 builds (a named open_clip
+    config + force_quick_gelu), at a tiny config's shapes; without QuickGELU the same file gives other features."""
+    import json
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    from fedcore.backbones import registry as reg
+
+    cfg_file = tmp_path / "fedcore-test-clip-b16-like.json"
+    cfg_file.write_text(json.dumps(TINY))
+    open_clip.add_model_config(cfg_file)  # open_clip's own registry, offline
+    spec = replace(reg.ARCH_SPECS["clip_vit_b16"], builder="fedcore-test-clip-b16-like", depth=2, dim=24, patch_size=4)
+    specs, cfgs = dict(reg.ARCH_SPECS), dict(reg.PRETRAINED_CFGS)
+    try:
+        reg.register_arch("clip_b16_like", spec, {"openai": reg.PretrainedCfg(16, **reg.CLIP_NORM)})
+        torch.manual_seed(0)
+        src = open_clip.create_model("fedcore-test-clip-b16-like", force_quick_gelu=True).eval()
+        save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "w.safetensors"))
+        model = reg.build_backbone("clip_b16_like", tmp_path / "w.safetensors")
+        x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            ref_img, ref_txt = src.encode_image(x), src.encode_text(tokenize(["a photo of a seven."], 20))
+            adapter = prompt_adapter(model)
+            torch.testing.assert_close(adapter.encode_image_tokens(x)[:, 0], ref_img, atol=0, rtol=0)
+            torch.testing.assert_close(adapter.encode_text(["a photo of a seven."]), ref_txt, atol=1e-6, rtol=1e-6)
+            gelu = open_clip.create_model("fedcore-test-clip-b16-like").eval()
+            open_clip.load_checkpoint(gelu, str(tmp_path / "w.safetensors"))
+            assert not torch.allclose(gelu.encode_image(x), ref_img, atol=1e-4)
+    finally:
+        reg.ARCH_SPECS.clear()
+        reg.ARCH_SPECS.update(specs)
+        reg.PRETRAINED_CFGS.clear()
+        reg.PRETRAINED_CFGS.update(cfgs)
+

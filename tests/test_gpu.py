@@ -51,3 +51,18 @@ def test_cnn_clients_trained_together_on_cuda_equal_one_by_one():
         assert abs(la - lb) < 1e-4
         for k in keys:
             assert torch.allclose(sa[k].double(), sb[k].double(), atol=1e-4), k
+
+
+def test_select_queries_on_cuda_are_fp32(tiny_run_files, tmp_path):
+    """SGPT's Select queries decide group assignments: on CUDA they are computed without bf16 (SGPT audit), so
+    they equal the CPU's to fp32 kernel noise, far below bf16's ~1e-2 relative rounding."""
+    import numpy as np
+
+    from fedcore.features import compute_select_queries, read_select_queries
+
+    for dev in ("cpu", "cuda"):
+        compute_select_queries(tiny_run_files["dataset"], "vit_mini", tiny_run_files["weights"], 3,
+                               tmp_path / f"{dev}.npz", device=dev)
+    cpu, gpu = (read_select_queries(tmp_path / f"{d}.npz") for d in ("cpu", "cuda"))
+    np.testing.assert_allclose(gpu[0], cpu[0], rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(gpu[1], cpu[1], rtol=1e-3, atol=1e-4)

@@ -334,6 +334,11 @@ def test_domain_equal_test_size_and_fraction_of_min():
     assert _disjoint(p.train) and _disjoint(p.test)
     for i, (tr, te) in enumerate(zip(p.train, p.test)):
         assert set(tr_d[tr]) == {i} and set(te_d[te]) == {i}
+        # the SGPT code keeps the first samples of the domain's file, not a random subset
+        np.testing.assert_array_equal(tr, np.flatnonzero(tr_d == i)[:20])
+    # the fraction leaves the test shards as they were without it
+    whole = make_partition({"scheme": "domain", "equal_test_size": True}, 0, tr_y, te_y, tr_d, te_d)
+    assert all(np.array_equal(a, b) for a, b in zip(p.test, whole.test))
 
 
 def test_domain_needs_domain_arrays_and_nonempty_clients():

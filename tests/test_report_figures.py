@@ -14,7 +14,8 @@ from fedcore.report.fig_metrics import (
     OURS_COLOR, PFL_COLOR, best_baselines, scatter_figure, scatter_points, selection_figure, selection_stats,
     sweep_figure, sweep_points,
 )
-from fedcore.report.fig_probes import congruence_figure, congruence_summary, partition_figure
+from fedcore.report.fig_probes import (congruence_figure, congruence_summary, partition_figure,
+                                      partition_grid_figure)
 from fedcore.report.plotting import figure_notes
 from fedcore.report.render import render_figure, render_table
 from fedcore.report.tables import MISSING_METRIC, MISSING_RUN, NOT_CONFIGURED, NOT_IMPLEMENTED, OK
@@ -222,6 +223,24 @@ def test_partition_figure_bars_and_missing_client():
     assert sorted(p.get_height() for p in axes[0].patches if p.get_height() > 0) == [20, 30, 40, 50]
     assert "client 5 (not in the partition)" in figure_notes(fig)
     assert "no such clients" in axes[1].texts[0].get_text()
+
+
+def test_partition_grid_draws_each_panel_counts_with_its_dataset_in_the_title():
+    a = pd.DataFrame({"client": [0, 1, 1, 0], "split": ["train"] * 3 + ["test"], "class": [0, 1, 2, 2],
+                      "count": [5, 3, 2, 9]})
+    b = pd.DataFrame({"client": [0, 2], "split": ["train", "train"], "class": [1, 0], "count": [4, 6]})
+    cfg = {"kind": "partition_grid", "cols": 2, "caption": "Fig. 4",
+           "panels": [{"title": "IID", "experiment": "e1"}, {"title": "Dir", "experiment": "e2"}]}
+    fig = partition_grid_figure([a, b], cfg, seed=0, experiments={"e1": {"dataset": "digits"}}, scale="mini")
+    shown = [im.get_array() for ax in fig.axes for im in ax.images]
+    assert len(shown) == 2
+    np.testing.assert_array_equal(shown[0].filled(0), [[5, 0, 0], [0, 3, 2]])      # train only; zeros masked
+    np.testing.assert_array_equal(shown[1].filled(0), [[0, 4], [0, 0], [6, 0]])
+    titles = [ax.get_title() for ax in fig.axes if ax.images]
+    assert titles[0].startswith("IID [digits]") and titles[1].startswith("Dir (")  # e2 not in the view: no name
+    assert "(mini scale, partition seed 0)" in " ".join(fig.get_suptitle().split())
+    with pytest.raises(ValueError, match="2 panels but 1"):
+        partition_grid_figure([a], cfg)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A frozen open_clip CLIP with learnable text context (CoOp) and per-patch image tokens (FedOTP; spec fedotp §1.2-1.3).
+"""A frozen open_clip CLIP with learnable text context (CoOp) and per-patch image tokens (FedOTP; fedotp §1.2-1.3).
 
 ``PromptedCLIP`` is the ``clip`` family's prompt adapter (``registry.prompt_adapter``). Nothing of the CLIP is
 trained: methods own the context vectors and pass them in. Its API, which the FedOTP methods code against:

@@ -158,9 +158,9 @@ def pretrain_clip(
             train_time += time.perf_counter() - t0
             loss_val = float(ep_loss) / n
             if progress:
-                print(f"[pretrain {arch} clip] epoch {epoch + 1}/{epochs} loss {loss_val:.4f} logit scale "
-                      f"{float(model.logit_scale.detach().exp()):.1f} ({(epoch + 1) * n / max(train_time, 1e-9):.0f} img/s)",
-                      file=sys.stderr, flush=True)
+                scale = float(model.logit_scale.detach().exp())
+                print(f"[pretrain {arch} clip] epoch {epoch + 1}/{epochs} loss {loss_val:.4f} logit scale {scale:.1f} "
+                      f"({(epoch + 1) * n / max(train_time, 1e-9):.0f} img/s)", file=sys.stderr, flush=True)
         model.eval()
         zero_shot = zero_shot_accuracy(model, x_all, y_all, list(names), info)
         state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}

@@ -93,6 +93,12 @@ def _resnet_mini(block: str, layers: tuple[int, ...], width: int = 16) -> ArchSp
                     dim=8 * width * expansion, default_tag="digits")
 
 
+def _stem_resnet(layers: tuple[int, ...], widths: tuple[int, ...]) -> ArchSpec:
+    """A torchvision-style ResNet of BasicBlocks trained from scratch (fedcore.backbones.resnet.StemResNet)."""
+    return ArchSpec("resnet", "fedcore", "StemResNet", dict(layers=layers, widths=widths), depth=len(layers),
+                    dim=widths[-1], default_tag="scratch")
+
+
 def _timm_vit(name: str, dim: int, depth: int, default_tag: str) -> ArchSpec:
     """A timm ViT at 224 px with 16-px patches, built headless."""
     return ArchSpec("vit", "timm", name, {}, depth=depth, dim=dim, patch_size=16, default_tag=default_tag)
@@ -141,6 +147,13 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     # FedOTP's mini CLIP: vit_mini's image tower (width 64, 4 blocks, 4 heads of 16) and a 2-block text tower
     # of the same width, pretrained contrastively on the held-out digits (pretrain_clip.py).
     "clip_mini": _clip_mini(64, dict(width=64, layers=4, head_width=16), dict(width=64, heads=4, layers=2)),
+    # FedPFT's extractors, trained from scratch by every FedPFT method (spec fedpft §1.2): ResNet-8 (CIFAR-10) and
+    # ResNet-10 (CIFAR-100, Tiny-ImageNet) with torchvision's 7x7 stem; trunk 1,232,704 / 4,905,792 parameters.
+    # Their mini analogues keep the stages and quarter the widths (16 px digits: the stem leaves 4x4).
+    "resnet8_pft": _stem_resnet((1, 1, 1), (64, 128, 256)),
+    "resnet10_pft": _stem_resnet((1, 1, 1, 1), (64, 128, 256, 512)),
+    "resnet8_pft_mini": _stem_resnet((1, 1, 1), (16, 32, 64)),
+    "resnet10_pft_mini": _stem_resnet((1, 1, 1, 1), (16, 32, 64, 128)),
     # Paper scale: local weight files only.
     "vit_small_patch16_224": _timm_vit("vit_small_patch16_224", 384, 12, "augreg_in21k"),
     "vit_base_patch16_224": _timm_vit("vit_base_patch16_224", 768, 12, "orig_in21k"),
@@ -186,6 +199,10 @@ PRETRAINED_CFGS: dict[str, PretrainedCfg] = {
     **{f"{a}.digits_moco": _DIGITS_MOCO_CFG for a in ("vit_mini_s", "vit_mini", "vit_mini_l")},
     "clip_mini.digits": _DIGITS_CLIP_CFG,
     "vit_pfedpt.scratch": PretrainedCfg(32, **IN21K_NORM, source=_SCRATCH),
+    # FedPFT: CIFAR's 32 px (Tiny-ImageNet's runs set input_size 64), Normalize(0.5, 0.5) as its CIFAR-10 pipeline
+    **{f"{a}.scratch": PretrainedCfg(32, **IN21K_NORM, source=_SCRATCH) for a in ("resnet8_pft", "resnet10_pft")},
+    **{f"{a}.scratch": PretrainedCfg(16, **IN21K_NORM, source=_SCRATCH)
+       for a in ("resnet8_pft_mini", "resnet10_pft_mini")},
     "vit_pfedpt_mini.scratch": PretrainedCfg(16, **IN21K_NORM, source=_SCRATCH),
     **{f"{arch}.{tag}": PretrainedCfg(224, **IN21K_NORM,
                                       source="timm (Google's original in21k)" if tag == "orig_in21k" else "timm")
@@ -450,8 +467,16 @@ def _fedcore_resnet(**kwargs: Any) -> nn.Module:
     return MiniResNet(**kwargs)
 
 
+def _fedcore_stem_resnet(**kwargs: Any) -> nn.Module:
+    """fedcore's headless ResNet with torchvision's stem and any number of stages (FedPFT)."""
+    from fedcore.backbones.resnet import StemResNet
+
+    return StemResNet(**kwargs)
+
+
 FEDCORE_BUILDERS: dict[str, Callable[..., nn.Module]] = {"PlainViT": _fedcore_vit,
-                                                         "MiniResNet": _fedcore_resnet}
+                                                         "MiniResNet": _fedcore_resnet,
+                                                         "StemResNet": _fedcore_stem_resnet}
 
 
 def _build_fedcore(arch: str, spec: ArchSpec, path: Path | None, cfg: PretrainedCfg) -> nn.Module:

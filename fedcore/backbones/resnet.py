@@ -129,6 +129,48 @@ class MiniResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
+class StemResNet(nn.Module):
+    """A headless torchvision ResNet of BasicBlocks with any number of stages: torchvision's 7x7 stride-2 stem and
+    3x3 stride-2 max-pool, then one stage per width (the first at stride 1, the rest at stride 2).
+
+    FedPFT's extractors (spec fedpft §1.2, the authors' framework): ResNet-8 = stages (1, 1, 1) of widths
+    (64, 128, 256), ResNet-10 = (1, 1, 1, 1) of (64, 128, 256, 512), trained from scratch; the ImageNet stem is kept
+    even on 32-px CIFAR images (Table 10's parameter counts need it: a 3x3 stem gives 1.23 M, not 1.24 M).
+    """
+
+    def __init__(self, layers: tuple[int, ...] = (1, 1, 1), widths: tuple[int, ...] = (64, 128, 256)) -> None:
+        super().__init__()
+        if len(layers) != len(widths) or not layers:
+            raise ValueError(f"layers {layers} and widths {widths} must give one depth per stage")
+        self.inplanes = widths[0]
+        self.conv1 = nn.Conv2d(3, widths[0], kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        for i, (depth, width) in enumerate(zip(layers, widths)):
+            setattr(self, f"layer{i + 1}", self._make_layer(width, depth, stride=1 if i == 0 else 2))
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Identity()  # headless: methods add their own heads
+        self.num_features = widths[-1]
+        for m in self.modules():  # torchvision's ResNet init (zero_init_residual=False)
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.constant_(m.weight, 1)
+                nn.init.constant_(m.bias, 0)
+
+    def _make_layer(self, planes: int, blocks: int, stride: int) -> nn.Sequential:
+        """One stage of BasicBlocks, torchvision's construction order."""
+        return MiniResNet._make_layer(self, BasicBlock, planes, blocks, stride)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Pooled features (B, num_features) of a (B,3,H,W) model input."""
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        for stage in resnet_stages(self):
+            x = stage(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
 def resnet_stages(model: nn.Module) -> list[nn.Module]:
     """The residual stages layer1, layer2, ... of a torchvision-style ResNet."""
     stages = []

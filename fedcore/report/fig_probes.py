@@ -167,3 +167,26 @@ def partition_figure(counts: pd.DataFrame, fig_cfg: dict, seed: int | None = Non
     seed_text = "" if seed is None else f" (partition seed {seed})"
     set_caption(fig, f"{fig_cfg.get('caption', '')}{seed_text}")
     return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# FedHPL Fig. 4: heat maps of several partitions
+# ----------------------------------------------------------------------------------------------
+
+def partition_grid_figure(counts: list[pd.DataFrame], fig_cfg: dict, seed: int | None = None,
+                          experiments: dict | None = None, scale: str | None = None) -> Figure:
+    """One client x class heat map per configured panel (``panels``: title, experiment), ``cols`` a row; each title
+    names the dataset the experiment reads at this scale (the mini analogue is not the paper's dataset)."""
+    from fedcore.partition_plots import class_heatmap_grid
+
+    panels = fig_cfg["panels"]
+    if len(counts) != len(panels):
+        raise ValueError(f"figure has {len(panels)} panels but {len(counts)} partition count files were given")
+    experiments = experiments or {}
+    titles = [p["title"] + (f" [{experiments[p['experiment']]['dataset']}]" if p["experiment"] in experiments else "")
+              for p in panels]
+    fig = class_heatmap_grid(list(zip(counts, titles)), int(fig_cfg.get("cols", 3)), fig_cfg.get("split", "train"))
+    seed_text = "" if seed is None else f"partition seed {seed}"
+    where = ", ".join(t for t in (f"{scale} scale" if scale else "", seed_text) if t)
+    set_caption(fig, f"{fig_cfg.get('caption', '')}" + (f" ({where})" if where else ""))
+    return fig

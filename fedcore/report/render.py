@@ -9,6 +9,7 @@ output when it changes):
     embedding   probe tsne .npz               figure tsne (Fig. 5)
     values      probe congruence CSV          figure congruence (Fig. 6a)
     partition   a partition's counts CSV      figure partition_counts (Fig. 7)
+    partitions  several partitions' counts    figure partition_grid (FedHPL Fig. 4), one CSV per panel
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ FIGURE_INPUT: dict[str, str] = {
     "accuracy_per_round": "metrics", "scatter": "metrics", "selection_counts": "metrics", "sweep": "metrics",
     "per_class": "metrics", "bars": "metrics",
     "tsne": "embedding", "congruence": "values", "partition_counts": "partition",
+    "partition_grid": "partitions",
 }
 TABLE_INPUT: dict[str, str] = {"metrics": "metrics", "param_count": "counts"}
 
@@ -78,6 +80,9 @@ def build_figure(fig_cfg: dict, path: str | os.PathLike, context: Mapping[str, A
         return fig_probes.tsne_figure(read_tsne(path), fig_cfg)
     if kind == "congruence":
         return fig_probes.congruence_figure(pd.read_csv(path), fig_cfg, scale)
+    if kind == "partition_grid":
+        return fig_probes.partition_grid_figure([pd.read_csv(p) for p in path], fig_cfg, context.get("seed"),
+                                                experiments, scale)
     return fig_probes.partition_figure(pd.read_csv(path), fig_cfg, context.get("seed"))
 
 
