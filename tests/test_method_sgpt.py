@@ -215,3 +215,32 @@ def test_sgpt_end_to_end_logs_selection_and_clustering(sgpt_files):
 def test_wrong_select_block_is_refused(sgpt_files):
     with pytest.raises(ValueError, match="select_block"):
         _run(sgpt_files, "sgpt", "c", select_block=2)
+
+
+def test_counter_per_client_adds_each_result_before_the_next_client():
+    """``counter_update: per_client`` (official code): the second client's downlink already holds the first
+    client's counts; after the round v is the same as with Alg. 2's once-per-round update."""
+    results = [FitResult(c, 1, {"model": {}, "select_counts": torch.tensor(n, dtype=torch.float64)}, {})
+               for c, n in ((0, [3.0, 1.0, 0.0]), (1, [0.0, 2.0, 5.0]))]
+    info = RoundInfo(1, 2, 1.0, 0)
+    finals = {}
+    for timing in ("per_round", "per_client"):
+        m = _method(counter_update=timing)
+        server = m.strategy.init_state(2)
+        server = m.strategy.observe(info, server, results[0])
+        second = m.strategy.configure(server, 1)["v"].tolist()
+        assert second == ([3.0, 1.0, 0.0] if timing == "per_client" else [0.0, 0.0, 0.0])
+        server = m.strategy.observe(info, server, results[1])
+        results_with_models = [FitResult(r.cid, 1, {**r.uplink, "model": module_state(
+            m.model, m.client.shared_keys(m.keys(0)))}, {}) for r in results]
+        finals[timing] = m.strategy.aggregate(info, server, results_with_models)["v"].tolist()
+    assert finals["per_round"] == finals["per_client"] == [3.0, 3.0, 5.0]
+
+
+def test_counter_timing_changes_a_run_with_several_clients(sgpt_files):
+    a = _run(sgpt_files, "sgpt", "per_round")
+    b = _run(sgpt_files, "sgpt", "per_client", counter_update="per_client")
+    acc = "split == 'global' and metric == 'acc'"
+    assert len(a.query(acc)) == len(b.query(acc)) == 3
+    losses = "client >= 0 and split == 'train' and metric == 'loss'"
+    assert not np.allclose(a.query(losses).value, b.query(losses).value)   # later clients calibrate differently

@@ -181,9 +181,10 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
             outcomes = (_fit_one(method, state["server"], client_state(d.cid), d, settings, spec.seed, r)
                         for d in datas)
         results: list[FitResult] = []
-        for new_state, res in outcomes:
+        for new_state, res in outcomes:  # one by one: the generator configures the next client after this
             clients[res.cid] = new_state
             results.append(res)
+            state["server"] = strategy.observe(info, state["server"], res)
             state["rows"].append((r, res.cid, "train", "loss", float(res.stats.get("loss", float("nan")))))
         state["rows"].extend(_upload_rows(r, results))
         state["server"] = strategy.aggregate(info, state["server"], results)

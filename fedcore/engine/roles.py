@@ -8,7 +8,8 @@ each client's complete state and the server state (both checkpointed every round
 
 * ``Strategy``: ``init_state`` (server state, default ``{"model": <shared tensors>}``), ``setup`` (a once-per-
   run exchange before round 1), ``select`` (the round's clients), ``configure`` (one client's downlink),
-  ``aggregate`` (uplinks -> next server state; default: sample-weighted average of ``uplink["model"]``).
+  ``observe`` (one client's result, as it arrives), ``aggregate`` (uplinks -> next server state; default:
+  sample-weighted average of ``uplink["model"]``).
 * ``Client``: ``init_state`` (what a client keeps across rounds: its personal tensors, and its optimiser
   state when ``keep_optimizer``), ``fit`` = ``start`` (load downlink, then own state) -> ``train`` (epochs of
   ``loss``) -> ``finish`` (new state + ``upload``). ``shared_keys``/``personal_keys`` split the model's
@@ -235,6 +236,12 @@ class Strategy(Role):
     def configure(self, state: Payload, cid: int) -> Payload:
         """Client ``cid``'s downlink."""
         return {"model": state["model"]}
+
+    def observe(self, info: RoundInfo, state: Payload, result: FitResult) -> Payload:
+        """The server state after one client's result arrives, before the next client of the round is configured
+        (clients trained one by one; clients trained together all start from the same state). Default: unchanged;
+        SGPT's code-timed selection counter adds each client's counts here."""
+        return state
 
     def aggregate(self, info: RoundInfo, state: Payload, results: list[FitResult]) -> Payload:
         """The next server state from the round's results (default: sample-weighted average of the models)."""
