@@ -1,5 +1,5 @@
-"""FedOTP's baselines (spec fedotp §4, §8.3, §8.15): zero-shot CLIP against a hand computation (and the engine running
-a method with nothing trainable), PromptFL + FedProx's proximal gradient, CoOp's no-communication local training,
+"""FedOTP's baselines (spec fedotp §4, §8.3, §8.15): zero-shot CLIP against a hand computation (and the engine
+running a method with nothing trainable), PromptFL + FedProx's proximal gradient, CoOp's no-communication local training,
 PromptFL's FedAvg of one global prompt, and one run through train_run with the clip_tokens artifact."""
 from __future__ import annotations
 
