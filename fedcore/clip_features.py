@@ -14,7 +14,6 @@ size; the methods cast batches to float32). float16 keeps ~3 significant digits:
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -41,10 +40,8 @@ def image_tokens(clip: PromptedCLIP, split: DeviceSplit, pipeline: InputPipeline
     out = np.empty((len(split.y), 1 + clip.num_patches, clip.embed_dim), DTYPE)
     for start in range(0, len(split.y), batch_size):
         x = pipeline(split.x[start : start + batch_size])
-        # fp16 autocast on GPU, as the official code runs CLIP (spec fedotp §1.1); fp32 on CPU
-        amp = torch.autocast("cuda", dtype=torch.float16) if x.is_cuda else contextlib.nullcontext()
-        with amp:
-            out[start : start + len(x)] = clip.encode_image_tokens(x).cpu().numpy().astype(DTYPE)
+        # computed in fp32 on every device (one pass per dataset), so the file's float16 rounding is the only error
+        out[start : start + len(x)] = clip.encode_image_tokens(x).cpu().numpy().astype(DTYPE)
     return out
 
 
@@ -56,6 +53,8 @@ def compute_clip_tokens(dataset_path: str | Path, arch: str, weights: str | Path
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)
+    # no TF32 inside CUDA kernels either (cuDNN's default for the patch-embedding convolution), as the Select queries
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     model = build_backbone(arch, weights)
     info = backbone_info(model)
     clip = prompt_adapter(model)
