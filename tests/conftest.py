@@ -103,3 +103,30 @@ def whole_run(files: dict, out, method: str, arch: str, rounds: int = 2, stop: i
     return train_run(params, identity(method), files["dataset"], files["partition5"], arch, files["weights"][arch],
                      out / "m.parquet", out / "f.pt", checkpoint_path=out / "ckpt.pt", progress=False,
                      stop_after_round=stop)
+
+
+@pytest.fixture(scope="session")
+def pft_files(tiny_run_files, tmp_path_factory):
+    """``tiny_run_files``' blobs split as FedPFT splits CIFAR (spec fedpft §3): 4 clients, each its own Dir(0.5)
+    class mix, 40 train and 16 test samples with the same mix."""
+    from fedcore.data.arrays import load_bundle
+
+    bundle = load_bundle(tiny_run_files["dataset"])
+    root = tmp_path_factory.mktemp("pft")
+    spec = {"scheme": "dirichlet_per_client", "clients": 4, "alpha": 0.5, "train_per_client": 40,
+            "test_per_client": 16}
+    make_partition(spec, 0, bundle.train.y, bundle.test.y).save(root / "part.npz")
+    return {**tiny_run_files, "partition": root / "part.npz"}
+
+
+def scratch_run(files: dict, out, method: str, arch: str = "resnet8_pft_mini", rounds: int = 2,
+                stop: int | None = None, participation: float = 1.0, local_epochs: int = 1, **method_params):
+    """A run of an entire-model method on a backbone drawn at random by the run (``scratch: true``, FedPFT's
+    extractors) on ``pft_files``' four Non-IID clients, each scored on its own test set."""
+    from fedcore.train import train_run
+
+    out.mkdir(exist_ok=True)
+    params = {**run_params(rounds=rounds, participation=participation, local_epochs=local_epochs),
+              "method_params": method_params}
+    return train_run(params, identity(method), files["dataset"], files["partition"], arch, None, out / "m.parquet",
+                     out / "f.pt", checkpoint_path=out / "ckpt.pt", progress=False, stop_after_round=stop)

@@ -310,3 +310,26 @@ def test_per_class_accuracy_rows_add_up_to_the_global_accuracy(tiny_run_files, t
     plain = run(tmp_path / "off")
     assert not plain.metric.str.startswith("acc_class").any()
     pd.testing.assert_frame_equal(plain, m[~m.metric.str.startswith("acc_class")].reset_index(drop=True))
+
+
+def test_never_sampled_clients_are_counted_then_can_be_left_out(tiny_run_files, tmp_path):
+    """A personalised method at participation 0.5: after round 1 two of four clients never trained. Their number is
+    logged; with ``untrained_clients: exclude`` the aggregates are over the trained clients only."""
+    from conftest import identity, run_params
+    from fedcore.train import train_run
+
+    def run(mode: str):
+        params = {**run_params(rounds=1, participation=0.5), "evaluation": {"untrained_clients": mode}}
+        out = tmp_path / mode
+        out.mkdir()
+        res = train_run(params, identity("fedrep"), tiny_run_files["dataset"], tiny_run_files["partition"],
+                        "vit_mini", tiny_run_files["weights"], out / "m.parquet", out / "f.pt", progress=False)
+        return res.metrics.set_index(["client", "split", "metric"])["value"], set(res.client_states)
+
+    inc, trained = run("include")
+    exc, _ = run("exclude")
+    assert len(trained) == 2 and inc[(-1, "local", "untrained_clients")] == 2.0
+    per_client = [inc[(c, "local", "acc")] for c in range(4)]
+    assert inc[(-1, "local", "acc_mean")] == pytest.approx(sum(per_client) / 4)
+    assert exc[(-1, "local", "acc_mean")] == pytest.approx(sum(per_client[c] for c in trained) / 2)
+    assert exc[(-1, "local", "acc_worst")] == min(per_client[c] for c in trained)

@@ -183,3 +183,18 @@ def test_paper_scale_vit_b_backbone_representation():
     sent = sum(t.numel() for t in method.strategy.init_state(5)["model"].values())
     assert trainable == 85_806_346 and round(trainable / 2**20, 2) == 81.83     # Table 1, FedRep Param (M)
     assert sent == 85_798_656                                                   # the extractor; the head stays
+
+
+def test_fedpft_setting_on_a_scratch_resnet8_runs_head_4_then_body_1_epochs(pft_files, tmp_path, monkeypatch):
+    """FedPFT's FedRep (spec fedpft §4): R = 5 local epochs as 4 head epochs then 1 body epoch, BatchNorm shared."""
+    from conftest import scratch_run
+    from fedcore.methods.fedrep import FedRepClient
+
+    calls = []
+    original = FedRepClient.train_phase
+    monkeypatch.setattr(FedRepClient, "train_phase", lambda self, model, names, data, settings, epochs: calls.append(
+        (names[0], epochs)) or original(self, model, names, data, settings, epochs))
+    res = scratch_run(pft_files, tmp_path / "rep", "fedrep", rounds=1, local_epochs=5, representation="backbone")
+    assert calls == [("head.weight", 4), ("net.conv1.weight", 1)] * 4
+    assert "net.bn1.running_mean" in res.global_state and set(res.personal_states[0]) == set(HEAD)
+    assert all(math.isfinite(v) for v in res.metrics["value"])

@@ -225,3 +225,22 @@ def test_best_min_bolds_the_lowest():
                                                              "metric": "upload_numbers"}], "paper": {}, "best": "min"}
     md = render_markdown(build_table(metrics, cfg, exps, "paper", {"m", "n"}), cfg, "paper")
     assert "**5000.00**" in md and "**10000.00**" not in md and "(the lowest)" in md
+
+
+def test_cells_counting_never_sampled_clients_are_marked():
+    """A personalised run whose window aggregate still counts never-sampled clients (pFedPG at low participation):
+    the cell carries § and the table says what it means; a window after every client trained does not."""
+    exps = {"e": {"methods": ["m"], "report": {"window": "last", "rounds": 2}, "rounds": 10},
+            "f": {"methods": ["m"], "report": {"window": "last", "rounds": 2}, "rounds": 10}}
+    acc = {(-1, "local", "acc_mean"): 0.5}
+    early = metric_rows("e", "m", {**acc, (-1, "local", "untrained_clients"): 3.0})
+    late = metric_rows("f", "m", acc)
+    late = pd.concat([late, metric_rows("f", "m", {(-1, "local", "untrained_clients"): 0.0})])
+    cfg = {"caption": "c", "rows": ["m"], "columns": [{"label": "e", "experiment": "e", "metric": "local_acc"},
+                                                       {"label": "f", "experiment": "f", "metric": "local_acc"}],
+           "paper": {}}
+    t = build_table(pd.concat([early, late]), cfg, exps, "mini", {"m"})
+    assert t["untrained"].tolist() == [True, False]
+    md = render_markdown(t, cfg, "mini")
+    assert "50.00§" in md and "never sampled" in md
+    assert r"\S{}" in render_latex(t, cfg, "mini")

@@ -86,13 +86,19 @@ def _class_rows(client: int, accs: list[float]) -> list[tuple[int, str, str, flo
 
 
 def evaluate_round(method, sets: EvalSets, pipeline: InputPipeline, batch_size: int,
-                   load: Callable[[int | None], torch.nn.Module],
-                   per_class: bool = False) -> list[tuple[int, str, str, float]]:
+                   load: Callable[[int | None], torch.nn.Module], per_class: bool = False,
+                   untrained: frozenset[int] = frozenset(),
+                   exclude_untrained: bool = False) -> list[tuple[int, str, str, float]]:
     """Rows (client, split, metric, value) for one evaluated round; ``load(cid)`` loads and returns the model
-    that scores client ``cid`` (``load(None)``: the global model); ``per_class`` adds ``acc_class<k>`` rows."""
+    that scores client ``cid`` (``load(None)``: the global model); ``per_class`` adds ``acc_class<k>`` rows.
+
+    Personalised models only: ``untrained`` are the clients never sampled so far (scored with their initial
+    model, e.g. a random head); their number is logged as ``untrained_clients``, and with ``exclude_untrained``
+    the round's aggregates (client -1) leave them out (their own rows stay)."""
     rows: list[tuple[int, str, str, float]] = []
     num_clients = len(sets.client_indices)
     local_acc: list[float] = []
+    counted = [c for c in range(num_clients) if not (exclude_untrained and c in untrained)] or list(range(num_clients))
     if not method.evaluator.personalized:
         model = load(None)
         pred = predict(method, model, sets.source, sets.pooled, pipeline, batch_size)
@@ -117,14 +123,18 @@ def evaluate_round(method, sets: EvalSets, pipeline: InputPipeline, batch_size: 
             if per_class:
                 class_accs.append(class_accuracy(g_pred, g_labels, method.num_classes))
                 rows += _class_rows(c, class_accs[-1])
-        global_acc = sum(global_accs) / num_clients
+        kept = [global_accs[c] for c in counted]
+        global_acc = sum(kept) / len(kept)
         # the lowest and highest client on the global test set (FedHPL Tables 3, 14)
-        rows += [(-1, "global", "acc_min", min(global_accs)), (-1, "global", "acc_max", max(global_accs))]
+        rows += [(-1, "global", "acc_min", min(kept)), (-1, "global", "acc_max", max(kept))]
         if per_class:
-            rows += _class_rows(-1, [sum(a) / num_clients for a in zip(*class_accs, strict=True)])
+            rows += _class_rows(-1, [sum(a[c] for c in counted) / len(counted)
+                                     for a in zip(*class_accs, strict=True)])
+        rows.append((-1, "local", "untrained_clients", float(len(untrained))))
     for c, a in enumerate(local_acc):
         rows.append((c, "local", "acc", a))
+    local_kept = [local_acc[c] for c in counted] if method.evaluator.personalized else local_acc
     rows.append((-1, "global", "acc", global_acc))
-    rows.append((-1, "local", "acc_mean", sum(local_acc) / num_clients))
-    rows.append((-1, "local", "acc_worst", min(local_acc)))
+    rows.append((-1, "local", "acc_mean", sum(local_kept) / len(local_kept)))
+    rows.append((-1, "local", "acc_worst", min(local_kept)))
     return rows

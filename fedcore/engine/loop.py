@@ -204,7 +204,10 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
                 evaluator.load(m, c, state["server"], client_state(c), data_of(c, r, stream=2))
                 return m
             per_class = bool(spec.evaluation.get("per_class", False))
-            for c, split, metric, value in evaluate_round(method, eval_sets, pipeline, eval_bs, load, per_class):
+            untrained = frozenset(c for c in range(num_clients) if c not in clients)
+            exclude = spec.evaluation.get("untrained_clients", "include") == "exclude"
+            for c, split, metric, value in evaluate_round(method, eval_sets, pipeline, eval_bs, load, per_class,
+                                                          untrained, exclude):
                 state["rows"].append((r, c, split, metric, value))
                 if c == -1 and split == "global":
                     bar.set_postfix(global_acc=f"{value:.3f}")

@@ -2,16 +2,13 @@
 first, then body."""
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
-from fedcore.constraints import Choice, Int
+from fedcore.constraints import Int
 from fedcore.engine.optim import ClientData, TrainSettings, only_training, run_epochs
 from fedcore.engine.roles import Client, Payload
-from fedcore.methods.base import INITS, PersonalEvaluator, PromptMethod, whole_model
-
-REPRESENTATIONS = ("prompts", "backbone")
+from fedcore.methods.base import PersonalEvaluator
+from fedcore.methods.representation import PromptsOrBackbone
 
 
 class FedRepClient(Client):
@@ -56,7 +53,7 @@ class FedRepClient(Client):
         return {"loss": loss, "head_loss": head["loss"], "body_loss": body["loss"]}, None
 
 
-class FedRep(PromptMethod):
+class FedRep(PromptsOrBackbone):
     """FedRep (Collins, Hassani, Mokhtari, Shakkottai; ICML 2021): a shared representation and personal heads.
 
     ``representation: prompts`` (default, SGPT's setting): VPT-shallow prompts on the frozen ViT.
@@ -86,25 +83,7 @@ class FedRep(PromptMethod):
     """
 
     name = "fedrep"
-    prompt_mode = "shallow"
-    defaults = {"num_prompts": 1, "body_epochs": 1, "head_epochs": None, "representation": "prompts",
-                "init": "pretrained", "common_dim": None}
-    param_rules = {"num_prompts": Int(1), "body_epochs": Int(0), "head_epochs": Int(0, optional=True),
-                   "representation": Choice(REPRESENTATIONS), "init": Choice(INITS),
-                   "common_dim": Int(1, optional=True)}
+    defaults = {**PromptsOrBackbone.defaults, "body_epochs": 1, "head_epochs": None}
+    param_rules = {**PromptsOrBackbone.param_rules, "body_epochs": Int(0), "head_epochs": Int(0, optional=True)}
     client_role = FedRepClient
     evaluator_role = PersonalEvaluator
-
-    @classmethod
-    def check_params(cls, params: dict[str, Any]) -> None:
-        """``init`` and ``common_dim`` shape a trained backbone: with prompts the backbone is frozen as loaded."""
-        if params["representation"] == "prompts" and (params["init"] != "pretrained" or params["common_dim"]):
-            raise ValueError("init and common_dim apply to representation: backbone only (with prompts the "
-                             f"backbone is frozen as loaded); got init={params['init']!r}, "
-                             f"common_dim={params['common_dim']!r}")
-
-    def build(self, backbone: nn.Module) -> nn.Module:
-        """The prompted classifier, or the entire-model classifier (``representation: backbone``)."""
-        if self.params["representation"] == "backbone":
-            return whole_model(backbone, self.num_classes, self.params["init"], self.params["common_dim"])
-        return super().build(backbone)

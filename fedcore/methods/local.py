@@ -1,8 +1,9 @@
-"""Local: every client trains its own prompts and head on its own data; nothing is communicated."""
+"""Local: every client trains its own model on its own data (prompts + head, or the entire model); nothing is
+communicated."""
 from __future__ import annotations
 
-from fedcore.constraints import Int
-from fedcore.methods.base import BatchableClient, EveryClient, PersonalEvaluator, PromptMethod
+from fedcore.methods.base import BatchableClient, EveryClient, PersonalEvaluator
+from fedcore.methods.representation import PromptsOrBackbone
 
 
 class LocalClient(BatchableClient):
@@ -17,17 +18,23 @@ class LocalClient(BatchableClient):
         return list(keys)
 
 
-class Local(PromptMethod):
-    """No-communication baseline: VPT-shallow prompts + head per client, evaluated per client.
+class Local(PromptsOrBackbone):
+    """No-communication baseline, evaluated per client with its own model.
+
+    ``representation: prompts`` (default, SGPT's setting): VPT-shallow prompts + head on the frozen ViT.
+    ``representation: backbone`` (FedPFT's "Local", spec fedpft §3-§4): the entire extractor + a linear head,
+    trained, from the backbone's weights or a random draw (``init``; FedPFT's ``scratch: true`` extractors are
+    already a seeded random draw, so ``pretrained`` = as built), its BatchNorm statistics part of the
+    client's model. Every client starts from the same initial model (PFLlib's Local copies one global model
+    to every client).
 
     Every client trains every round (participation does not apply: there is no server to talk to),
     so each client gets ``rounds * local_epochs`` epochs, the usual reading of a Local baseline.
+    The optimiser is the experiment's, fresh every round (as every client here and in Fling, the FedPFT
+    authors' framework; PFLlib keeps one optimiser per client across rounds).
     """
 
     name = "local"
-    prompt_mode = "shallow"
-    defaults = {"num_prompts": 1}
-    param_rules = {"num_prompts": Int(1)}
     client_role = LocalClient
     strategy_role = EveryClient
     evaluator_role = PersonalEvaluator

@@ -1,4 +1,5 @@
-"""pFedPT: a personal visual prompt (learnable pixels on the image border) + a small ViT trained from scratch."""
+"""pFedPT: a personal visual prompt (learnable pixels on the image border) + a small ViT trained from scratch, or
+the experiment's own backbone trained whole (``arch: experiment``, FedPFT's setting)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -11,9 +12,10 @@ from fedcore.backbones.registry import input_cfg, list_archs
 from fedcore.constraints import Choice, Int, Number
 from fedcore.engine.optim import ClientData, TrainSettings, only_training, run_epochs
 from fedcore.engine.roles import Client, Method, Payload
-from fedcore.methods.base import PersonalEvaluator, raw_backbone
+from fedcore.methods.base import PersonalEvaluator, WholeModelClassifier, raw_backbone
 
 PROMPT = "prompt."  # state-key prefix of the personal prompt (G1)
+EXPERIMENT = "experiment"  # ``arch`` value: prompt the experiment's backbone, trained whole
 
 
 class PadPrompt(nn.Module):
@@ -55,6 +57,26 @@ class PromptedScratchViT(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """Logits."""
         return self.head(self.net(self.prompt(x)))
+
+
+class PromptedWholeModel(WholeModelClassifier):
+    """Prompt (personal) -> the experiment's entire backbone (trainable, BatchNorm in train mode) -> linear head."""
+
+    def __init__(self, net: nn.Module, feature_dim: int, num_classes: int, size: int, pad_width: int) -> None:
+        super().__init__(net, feature_dim, num_classes)
+        self.prompt = PadPrompt(size, pad_width)
+
+    def features(self, x: Tensor) -> Tensor:
+        """The backbone's pooled feature of the prompted images."""
+        return super().features(self.prompt(x))
+
+
+def input_side(adapter: nn.Module) -> int:
+    """The side of the images a prompt adapter's backbone takes (ResNet: its input contract; ViT: its patch grid)."""
+    side = getattr(adapter, "img_size", None)
+    if side is None:
+        side = raw_backbone(adapter).patch_embed.img_size[0]
+    return int(side)
 
 
 class PFedPTClient(Client):
@@ -112,6 +134,14 @@ class PFedPT(Method):
     model obtains prior knowledge of the data distributions based on the prompts"); a never-trained client
     uses the initial prompt.
 
+    ``arch: experiment`` (FedPFT's pFedPT baseline, spec fedpft §4: every FedPFT method trains the experiment's
+    ResNet from scratch): the prompt is sized by the experiment's input (its ``input_size`` if set) and put in
+    front of the experiment's backbone as loaded (a ``scratch: true`` backbone: the run's seeded random draw),
+    trained whole with its BatchNorm statistics (which go up with it) and a linear head on its pooled feature. In
+    stage 1 the frozen backbone stays in train mode (its BatchNorm statistics keep moving, as the official
+    client trains the prompt with the model in train mode). Everything else is as above. ``pad_width`` must leave
+    an image inside the experiment's input (checked when the method is built, before round 1).
+
     Choices where the papers are silent, and where ours differ from the official code: defaults are the official
     ones (prompt lr 20, momentum 0.5, 5 prompt epochs; its 5 local epochs are ``local_epochs: 5`` in the
     experiment); the ViT uses timm's initialisation (PlainViT) rather than PyTorch's layer defaults; every
@@ -124,7 +154,7 @@ class PFedPT(Method):
     name = "pfedpt"
     defaults = {"arch": "vit_pfedpt", "pad_width": 4, "prompt_epochs": 5, "prompt_lr": 20.0,
                 "prompt_momentum": 0.5, "local_epochs": None}
-    param_rules = {"arch": Choice(tuple(list_archs("vit"))), "pad_width": Int(1), "prompt_epochs": Int(0),
+    param_rules = {"arch": Choice((*list_archs("vit"), EXPERIMENT)), "pad_width": Int(1), "prompt_epochs": Int(0),
                    "prompt_lr": Number(0.0, lo_open=True), "prompt_momentum": Number(0.0, 1.0, hi_open=True),
                    "local_epochs": Int(1, optional=True)}
     client_role = PFedPTClient
@@ -132,7 +162,9 @@ class PFedPT(Method):
 
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
-        """The frame must leave an image inside the arch's input."""
+        """The frame must leave an image inside the arch's input (the experiment's: checked at build)."""
+        if params["arch"] == EXPERIMENT:
+            return
         size = input_cfg(params["arch"])["img_size"]
         if not 0 < 2 * int(params["pad_width"]) < size:
             raise ValueError(f"key 'pad_width' = {params['pad_width']}: allowed 1..{(size - 1) // 2} (arch "
@@ -140,11 +172,14 @@ class PFedPT(Method):
 
     @classmethod
     def own_backbone(cls, params: dict[str, Any]) -> str | None:
-        """pFedPT trains its own small ViT from scratch, whatever the experiment's backbone."""
-        return str(params["arch"])
+        """pFedPT trains its own small ViT from scratch (None: the experiment's backbone, ``arch: experiment``)."""
+        return None if params["arch"] == EXPERIMENT else str(params["arch"])
 
     def build(self, backbone: nn.Module) -> nn.Module:
-        """Prompt + the adapter's (randomly initialised) ViT + head."""
+        """Prompt + the adapter's (randomly initialised) ViT + head, or + the experiment's entire backbone + head."""
+        if self.params["arch"] == EXPERIMENT:
+            return PromptedWholeModel(raw_backbone(backbone), int(backbone.feature_dim), self.num_classes,
+                                      input_side(backbone), int(self.params["pad_width"]))
         vit = raw_backbone(backbone)
         got = getattr(vit, "fedcore_arch", None)
         if got != self.params["arch"]:

@@ -14,6 +14,9 @@
     rounds_used           fewest evaluated rounds any seed contributed to its window (<NA> if none)
     short_window          some seed had fewer evaluated rounds than the window needs (marked †)
     incomplete            some seed's run ended before the experiment's configured rounds (marked ‡)
+    untrained             the window's aggregate counted clients never sampled yet, scored with their initial
+                          personalised model (e.g. a random head) (marked §); evaluation.untrained_clients:
+                          exclude leaves them out instead
     paper                 the paper's number in % (NaN = the paper has no such cell)
     diff                  ours − paper in the metric's unit; only at scale 'paper', NaN otherwise
     status                ok | not implemented | not configured | missing run | missing metric
@@ -41,6 +44,7 @@ MISSING_METRIC = "missing metric"
 
 SHORT_MARK = "†"
 INCOMPLETE_MARK = "‡"
+UNTRAINED_MARK = "§"
 NO_PAPER = "—"
 
 # Table metric shorthand -> (split, client, metric) in the long-form metrics.
@@ -83,7 +87,7 @@ STATUS_NOTES = {
 
 TABLE_COLUMNS = [
     "row", "row_label", "column", "col_index", "experiment", "metric", "client", "window",
-    "ours", "ours_std", "n_seeds", "rounds_used", "short_window", "incomplete",
+    "ours", "ours_std", "n_seeds", "rounds_used", "short_window", "incomplete", "untrained",
     "paper", "diff", "status", "scale", "paper_role",
 ]
 
@@ -250,7 +254,7 @@ def build_cell(metrics: pd.DataFrame, method: str, col: dict, exp_cfg: dict, sca
         "experiment": col["experiment"], "metric": col["metric"], "client": client,
         "window": describe_window(exp_cfg["report"]) if which is None else describe_round(which),
         "ours": math.nan, "ours_std": math.nan,
-        "n_seeds": 0, "rounds_used": pd.NA, "short_window": False, "incomplete": False,
+        "n_seeds": 0, "rounds_used": pd.NA, "short_window": False, "incomplete": False, "untrained": False,
         "status": cell_status(method, exp_cfg, run, rows, implemented),
     }
     if cell["status"] != OK:
@@ -261,9 +265,20 @@ def build_cell(metrics: pd.DataFrame, method: str, col: dict, exp_cfg: dict, sca
     cell.update(
         ours=factor * mean, ours_std=factor * std, n_seeds=len(per_seed),
         rounds_used=int(per_seed["rounds_used"].min()), short_window=bool(per_seed["short"].any()),
-        incomplete=_incomplete(run, exp_cfg),
+        incomplete=_incomplete(run, exp_cfg), untrained=_untrained(run, exp_cfg["report"], which),
     )
     return cell
+
+
+def _untrained(run: pd.DataFrame, report: dict, which: str | int | None) -> bool:
+    """True when some seed's aggregate over the cell's rounds counted never-sampled clients (an evaluated round of
+    the window with ``untrained_clients`` > 0; a ``best`` window is flagged when any evaluated round had some)."""
+    rows = run.loc[(run["split"] == "local") & (run["client"] == -1) & (run["metric"] == "untrained_clients")]
+    if rows.empty:
+        return False
+    if report.get("window") == "best" and which is None:
+        return bool((rows["value"] > 0).any())
+    return bool((seed_values(rows, report, which)["value"] > 0).any())
 
 
 def row_source(table_cfg: dict, row: str, col: dict) -> tuple[str, dict]:
@@ -311,7 +326,7 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
     return table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64",
                          "rounds_used": "Int64", "ours": "float64", "ours_std": "float64",
                          "paper": "float64", "diff": "float64", "short_window": "bool",
-                         "incomplete": "bool"})
+                         "incomplete": "bool", "untrained": "bool"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,6 +371,8 @@ def ours_text(cell: pd.Series, typical_seeds: int, decimals: int = 2) -> str:
         text += SHORT_MARK
     if cell["incomplete"]:
         text += INCOMPLETE_MARK
+    if cell.get("untrained", False):
+        text += UNTRAINED_MARK
     return text
 
 
@@ -428,6 +445,9 @@ def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) ->
                      "mean over the rounds that exist.")
     if table["incomplete"].any():
         notes.append(f"{INCOMPLETE_MARK} a run ended before the experiment's configured number of rounds.")
+    if "untrained" in table and table["untrained"].any():
+        notes.append(f"{UNTRAINED_MARK} the aggregate counts clients never sampled by then, each scored with its "
+                     "initial personalised model (evaluation.untrained_clients: exclude leaves them out).")
     present = [s for s in STATUS_NOTES if (table["status"] == s).any()]
     if present:
         notes.append("Empty cells: " + "; ".join(STATUS_NOTES[s] for s in present) + ".")
@@ -474,7 +494,7 @@ def render_markdown(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
 _TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
                 "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 _TEX_UNICODE = {"±": r"$\pm$", "—": "---", "−": "$-$", "Δ": r"$\Delta$", "✓": r"$\checkmark$",
-                SHORT_MARK: r"$^{\dagger}$", INCOMPLETE_MARK: r"$^{\ddagger}$"}
+                SHORT_MARK: r"$^{\dagger}$", INCOMPLETE_MARK: r"$^{\ddagger}$", UNTRAINED_MARK: r"\S{}"}
 
 
 def latex_escape(text: str) -> str:
