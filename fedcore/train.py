@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fedcore.artifacts import load_artifact
+from fedcore.backbones.clip import clip_classnames
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.backbones.vit import backbone_info
@@ -158,7 +159,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
                          "every client the same model input")
     backbones = [prompt_adapter(n).to(dev) for n in nets]  # the family's frozen, promptable wrapper
     method = cls(backbones if len(backbones) > 1 else backbones[0], bundle.num_classes,
-                 params.get("method_params", {}), client_backbones)
+                 params.get("method_params", {}), client_backbones, class_names=clip_classnames(bundle.meta))
     for m in method.models:
         m.to(dev)
 

@@ -194,9 +194,12 @@ class Client(Role):
 
     def train(self, model: nn.Module, cid: int, state: Payload, downlink: Payload, data: ClientData,
               settings: TrainSettings) -> tuple[dict[str, float], dict | None]:
-        """``local_epochs`` epochs of ``loss`` over every trainable tensor; returns stats and optimiser state."""
+        """``local_epochs`` epochs of ``loss`` over every trainable tensor; returns stats and optimiser state. A model
+        with no trainable tensor (zero-shot CLIP) has nothing to train: no pass over the data, loss NaN."""
         named = dict(model.named_parameters())
         params = [named[k] for k in self.method.trainable_keys(cid)]
+        if not params:
+            return {"loss": float("nan")}, None
         opt_state = state.get("optimizer") if self.keep_optimizer else None
         return run_epochs(params, data, settings, settings.local_epochs, lambda b: self.loss(model, b), opt_state)
 
@@ -288,8 +291,12 @@ class Method:
     evaluator_role: ClassVar[type[Evaluator]] = Evaluator
 
     def __init__(self, backbones: Any, num_classes: int, params: dict | None = None,
-                 client_backbones: Sequence[int] | None = None) -> None:
-        """``backbones``: one frozen backbone adapter, or a list of them with ``client_backbones[cid]`` indexing it."""
+                 client_backbones: Sequence[int] | None = None, class_names: Sequence[str] | None = None) -> None:
+        """``backbones``: one frozen backbone adapter, or a list of them with ``client_backbones[cid]`` indexing it;
+        ``class_names``: how a text prompt names each class (CLIP methods read them; None where unknown)."""
+        if class_names is not None and len(class_names) != num_classes:
+            raise ValueError(f"{len(class_names)} class names for {num_classes} classes")
+        self.class_names = None if class_names is None else [str(c) for c in class_names]
         unknown = set(params or {}) - set(self.defaults)
         if unknown:
             raise ValueError(f"method_params.{self.name}: unknown key(s) {sorted(unknown)}; "

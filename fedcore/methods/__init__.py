@@ -39,6 +39,11 @@ METHODS: dict[str, str] = {
     "pfedgate": "pfedgate",
     "fedcac": "fedcac",
     "fedpft": "fedpft",
+    "fedotp": "fedotp",
+    "coop": "coop",
+    "promptfl": "promptfl",
+    "promptfl_fedprox": "promptfl_fedprox",
+    "zs_clip": "zs_clip",
 }
 
 

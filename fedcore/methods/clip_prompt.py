@@ -1,0 +1,168 @@
+"""What the CLIP prompt methods share (FedOTP, CoOp, PromptFL, PromptFL+FedProx, zero-shot CLIP; spec fedotp §1.2,
+§4): learnable CoOp text contexts over a frozen ``PromptedCLIP``, scored on the cached image tokens.
+
+The image tower is frozen, so each image's tokens (CLS + M patches, artifact ``clip_tokens``) are computed once by
+rule ``features`` and every batch carries them as ``batch.extras[TOKENS]``: no image is encoded during training or
+evaluation. A model holds one or more unified contexts (CSC=False), each a Parameter (n_ctx, text_width) named by
+the method (``ctx_global``/``ctx_local`` for FedOTP, ``ctx`` otherwise), drawn together from N(0, 0.02^2) as the
+official code's one (N, n_ctx, width) tensor, once per run: every client starts from the same draw.
+
+Choices (DEVIATIONS.md, FedOTP): image tokens of the deterministic transform (InputPipeline resize + normalise)
+only, where the official code trains on random-resized crops and flips (the cache needs one view per image); the
+logit scale is the backbone's own (exp of CLIP's logit_scale: 100 for OpenAI CLIP, as the code); similarities and
+everything after them run in fp32 even under bf16 autocast (spec §1.1: the OT's cost in fp32).
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from fedcore.constraints import Flag, Int
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import autocast_for
+from fedcore.engine.roles import Client, Evaluator, Method, Payload, RoundInfo, Strategy
+
+TOKENS = "clip_tokens"  # batch extras name (and artifact key) of the frozen CLIP image tokens
+CTX_STD = 0.02          # CoOp's random context init, N(0, 0.02^2)
+
+
+def image_tokens(batch: Batch) -> Tensor:
+    """The batch's cached CLIP image tokens (B, 1+M, D) as float32 (stored float16)."""
+    if TOKENS not in batch.extras:
+        raise KeyError(f"the batch carries no {TOKENS!r} extras: CLIP prompt methods read the cached image tokens "
+                       f"(artifact {TOKENS}, rule features); got extras {sorted(batch.extras)}")
+    return batch.extras[TOKENS].float()
+
+
+def fp32(x: Tensor) -> torch.autocast:
+    """A block without autocast, so that similarities, the OT and the logits stay fp32 on CUDA too."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
+def cls_logits(tokens: Tensor, text: Tensor, scale: float) -> Tensor:
+    """CLIP's zero-shot score: scale * cos(CLS token, text feature of each class); text (K, D) normalised."""
+    return scale * F.normalize(tokens[:, 0].float(), dim=-1) @ text.float().t()
+
+
+class ContextPrompts(nn.Module):
+    """Frozen PromptedCLIP + named learnable contexts; ``forward(tokens)``: CLS cosine with the mean of the prompts'
+    normalised text features (one prompt: CoOp / PromptFL). Subclasses score otherwise (FedOTP's OT)."""
+
+    def __init__(self, clip: nn.Module, class_names: list[str], n_ctx: int, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.clip = clip
+        self.names = tuple(names)
+        ids, eot = clip.tokenize_classnames(list(class_names), int(n_ctx))
+        self.register_buffer("token_ids", ids, persistent=False)
+        self.register_buffer("token_eot", eot, persistent=False)
+        init = torch.randn(len(names), int(n_ctx), clip.text_width) * CTX_STD  # one draw, as the code's one tensor
+        for name, row in zip(names, init, strict=True):
+            self.register_parameter(name, nn.Parameter(row.clone()))
+        self._cache: tuple[tuple, Tensor] | None = None
+
+    @property
+    def logit_scale(self) -> float:
+        """CLIP's inverse temperature (exp of its logit scale)."""
+        return self.clip.logit_scale
+
+    def contexts(self) -> Tensor:
+        """(P, n_ctx, text_width): the prompts in ``names`` order."""
+        return torch.stack([getattr(self, n) for n in self.names])
+
+    def text_features(self) -> Tensor:
+        """(P, K, D) normalised fp32 text features of every prompt for every class; computed once per loaded
+        context when no gradient is wanted (evaluation: one text pass per client, not per batch)."""
+        params = [getattr(self, n) for n in self.names]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if not torch.is_grad_enabled() and self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        feats = self.clip.encode_text_with_context(self.contexts(), self.token_ids, self.token_eot)
+        with fp32(feats):
+            feats = F.normalize(feats.float(), dim=-1)
+        self._cache = None if torch.is_grad_enabled() else (key, feats)
+        return feats
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits (B, K): CLS cosine with the (mean) prompt text feature, times CLIP's scale."""
+        text = self.text_features()
+        with fp32(text):
+            return cls_logits(tokens, text.mean(0), self.logit_scale)
+
+
+class ClipClient(Client):
+    """Trains its contexts with CE on the cached tokens; sends the method's shared prompts, keeps its local ones."""
+
+    def shared_keys(self, keys: list[str]) -> list[str]:
+        """The method's shared prompts (nothing else of the model: the token buffers are the run's constants)."""
+        return [k for k in keys if k in self.method.shared_prompts]
+
+    def personal_keys(self, keys: list[str]) -> list[str]:
+        """The method's other prompts stay with the client."""
+        return [k for k in keys if k in self.method.prompt_names and k not in self.method.shared_prompts]
+
+    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        """CE over all the dataset's classes (spec §1.2: also where a client holds only some)."""
+        return F.cross_entropy(model(image_tokens(batch)), batch.y)
+
+
+class ClipEvaluator(Evaluator):
+    """Scores the global prompts (PromptFL, zero-shot) on the cached image tokens."""
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, batch: Batch) -> Tensor:
+        """Logits of the batch's tokens."""
+        with autocast_for(batch.x):
+            return model(image_tokens(batch)).float()
+
+
+class PersonalClipEvaluator(ClipEvaluator):
+    """Each client scored with its own prompts (the downlink's, then its personal ones) on its own test split."""
+
+    personalized = True
+
+
+class FirstRoundAll(Strategy):
+    """FedAvg of the shared prompts; with ``round0_all`` every client trains in round 1 (spec §8.11, the code's
+    round 0), then the experiment's participation samples the clients."""
+
+    def select(self, info: RoundInfo, state: Payload) -> list[int]:
+        """All clients in round 1 when ``round0_all``, else the sampled ones."""
+        if info.round == 1 and self.params.get("round0_all", False):
+            return list(range(info.num_clients))
+        return super().select(info, state)
+
+
+class ClipPromptMethod(Method):
+    """A method over a frozen PromptedCLIP with learnable contexts ``prompt_names`` of ``n_ctx`` tokens, of which
+    ``shared_prompts`` are averaged by the server; batches carry the cached image tokens (artifact clip_tokens)."""
+
+    defaults: ClassVar[dict[str, Any]] = {"n_ctx": 16, "round0_all": False}
+    param_rules: ClassVar[dict[str, Any]] = {"n_ctx": Int(1), "round0_all": Flag()}
+    prompt_names: ClassVar[tuple[str, ...]] = ("ctx",)
+    shared_prompts: ClassVar[tuple[str, ...]] = ("ctx",)
+    model_class: ClassVar[type[ContextPrompts]] = ContextPrompts
+    client_role = ClipClient
+    strategy_role = FirstRoundAll
+    evaluator_role = ClipEvaluator
+
+    @classmethod
+    def artifacts(cls, params: dict[str, Any]) -> dict[str, str]:
+        """The frozen CLIP image tokens of every image."""
+        return {TOKENS: "clip_tokens"}
+
+    def check_backbone(self, backbone: nn.Module) -> None:
+        """A CLIP prompt adapter and the dataset's class names are needed."""
+        if not hasattr(backbone, "encode_text_with_context"):
+            raise ValueError(f"method {self.name} needs a CLIP backbone (family clip: PromptedCLIP); got "
+                             f"{type(backbone).__name__}")
+        if self.class_names is None:
+            raise ValueError(f"method {self.name} names the classes in its text prompts: build it with the "
+                             "dataset's class_names")
+
+    def build(self, backbone: nn.Module) -> nn.Module:
+        """The contexts around the frozen CLIP."""
+        self.check_backbone(backbone)
+        return self.model_class(backbone, self.class_names, int(self.params["n_ctx"]), self.prompt_names)
