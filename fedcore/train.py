@@ -11,6 +11,7 @@ import torch
 
 from fedcore.artifacts import load_artifact
 from fedcore.backbones.clip import clip_classnames
+from fedcore.partition_fedotp import prompt_class_names
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.backbones.vit import backbone_info
@@ -159,7 +160,8 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
                          "every client the same model input")
     backbones = [prompt_adapter(n).to(dev) for n in nets]  # the family's frozen, promptable wrapper
     method = cls(backbones if len(backbones) > 1 else backbones[0], bundle.num_classes,
-                 params.get("method_params", {}), client_backbones, class_names=clip_classnames(bundle.meta))
+                 params.get("method_params", {}), client_backbones,
+                 class_names=prompt_class_names(clip_classnames(bundle.meta), part.class_order))
     for m in method.models:
         m.to(dev)
 

@@ -11,6 +11,7 @@ from torch.nn import functional as F
 from conftest import identity, run_params, synthetic_bundle
 from otp_helpers import NAMES, build, run, tiny_clip, token_splits
 from fedcore.artifacts import build_artifact
+from fedcore.backbones.clip import clip_classnames
 from fedcore.backbones.registry import build_backbone
 from fedcore.data.arrays import save_bundle
 from fedcore.engine.optim import ClientData, TrainSettings
@@ -137,3 +138,35 @@ def test_train_run_reads_the_clip_tokens_artifact_and_the_class_names(tmp_path):
     final = torch.load(tmp_path / "f.pt", weights_only=False)
     assert set(final["global"]) == {"ctx_global"} and set(final["personal"]) == {0, 1}
     assert all(set(s) == {"ctx_local"} for s in final["personal"].values())
+
+
+def test_the_class_name_order_flag_reaches_the_prompts(tmp_path, monkeypatch):
+    """A partition made with bug_compat_classname_order carries a class order; the run's prompts name the classes
+    in that order (the official code's set order), not silently in label order."""
+    import numpy as np
+
+    from fedcore.engine import roles
+
+    torch.manual_seed(0)
+    torch.save(build_backbone("clip_mini").state_dict(), tmp_path / "clip.pt")
+    bundle = synthetic_bundle(n_train=24, n_test=12)
+    save_bundle(bundle, tmp_path / "data.npz")
+    part = make_partition({"scheme": "iid", "clients": 2}, 0, bundle.train.y, bundle.test.y)
+    order = np.roll(np.arange(bundle.num_classes), 1)
+    part.class_order = order
+    part.save(tmp_path / "part.npz")
+    build_artifact("clip_tokens", tmp_path / "data.npz", "clip_mini", tmp_path / "clip.pt", tmp_path / "tok.npz",
+                   device="cpu")
+    seen = {}
+    init = roles.Method.__init__
+
+    def spy(self, *args, **kwargs):
+        seen["names"] = kwargs.get("class_names")
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(roles.Method, "__init__", spy)
+    train_run({**run_params(rounds=1, participation=1.0), "paper": "fedotp"}, identity("zs_clip"),
+              tmp_path / "data.npz", tmp_path / "part.npz", "clip_mini", tmp_path / "clip.pt", tmp_path / "m.parquet",
+              tmp_path / "f.pt", device="cpu", progress=False, artifacts={TOKENS: tmp_path / "tok.npz"})
+    names = clip_classnames(bundle.meta)
+    assert seen["names"] == [names[int(j)] for j in order] != names
