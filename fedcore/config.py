@@ -264,7 +264,10 @@ class Resolved:
     def report_view(self) -> dict[str, dict]:
         """Experiments as the report step needs them (methods and report window)."""
         return {e: {"methods": list(x["methods"]), "report": dict(x["report"]), "paper": x["paper"],
-                    "dataset": x["dataset"], "rounds": x["federation"]["rounds"]}
+                    "dataset": x["dataset"], "rounds": x["federation"]["rounds"],
+                    # a method's own budget where it differs (zs_clip: one round), so its runs are not "incomplete"
+                    "method_rounds": {m: self.federation(e, m)["rounds"] for m in x["methods"]
+                                      if self.federation(e, m)["rounds"] != x["federation"]["rounds"]}}
                 for e, x in self.experiments.items()}
 
 

@@ -244,3 +244,22 @@ def test_cells_counting_never_sampled_clients_are_marked():
     md = render_markdown(t, cfg, "mini")
     assert "50.00§" in md and "never sampled" in md
     assert r"\S{}" in render_latex(t, cfg, "mini")
+
+
+def test_a_method_with_its_own_shorter_budget_is_not_incomplete():
+    """Zero-shot CLIP runs one round (method_federation) in a 10-round experiment: complete, not ‡."""
+    exps = {"e": {"methods": ["m", "z"], "report": {"window": "last", "rounds": 1}, "rounds": 10,
+                  "method_rounds": {"z": 1}}}
+    acc = {(-1, "local", "acc_mean"): 0.5}
+    metrics = pd.concat([metric_rows("e", "m", acc, rounds=10), metric_rows("e", "z", acc, rounds=1),
+                         metric_rows("e", "m", acc, rounds=3).assign(method="short")])
+    exps["e"]["methods"].append("short")
+    cfg = {"caption": "c", "rows": ["m", "z", "short"],
+           "columns": [{"label": "e", "experiment": "e", "metric": "local_acc"}], "paper": {}}
+    t = build_table(metrics, cfg, exps, "mini", {"m", "z", "short"})
+    assert t["incomplete"].tolist() == [False, False, True]
+
+
+def test_report_view_carries_method_budgets():
+    view = load_config({**DEFAULT, "papers": ["fedotp"]}, ROOT).report_view()["otp_office_feature"]
+    assert view["method_rounds"] == {"zs_clip": 1}        # every other method runs the experiment's rounds

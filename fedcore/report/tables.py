@@ -199,10 +199,12 @@ def mean_std(values: pd.Series) -> tuple[float, float]:
     return float(values.mean()), std
 
 
-def _incomplete(run: pd.DataFrame, experiment: dict) -> bool:
-    """True when some seed's run ends before the experiment's configured number of rounds."""
+def _incomplete(run: pd.DataFrame, experiment: dict, method: str | None = None) -> bool:
+    """True when some seed's run ends before its configured number of rounds (the method's own budget if it has
+    one: ``method_rounds`` of Resolved.report_view())."""
     # Resolved.report_view() carries `rounds`; a full experiment dict carries federation.rounds
     rounds = experiment.get("rounds", (experiment.get("federation") or {}).get("rounds"))
+    rounds = (experiment.get("method_rounds") or {}).get(method, rounds)
     if rounds is None:
         return False
     last = run.groupby("seed")["round"].max()
@@ -270,7 +272,7 @@ def build_cell(metrics: pd.DataFrame, method: str, col: dict, exp_cfg: dict, sca
     cell.update(
         ours=factor * mean, ours_std=factor * std, n_seeds=len(per_seed),
         rounds_used=int(per_seed["rounds_used"].min()), short_window=bool(per_seed["short"].any()),
-        incomplete=_incomplete(run, exp_cfg), untrained=_untrained(run, exp_cfg["report"], which),
+        incomplete=_incomplete(run, exp_cfg, method), untrained=_untrained(run, exp_cfg["report"], which),
     )
     return cell
 
