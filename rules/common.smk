@@ -122,13 +122,16 @@ def artifact_files(exp_name, method):
 def train_inputs(wildcards):
     exp = CFG.experiments[wildcards.experiment]
     base = CFG.base_method(wildcards.method)
+    cls = method_class(base)
+    params = {**cls.defaults, **CFG.method_params(wildcards.experiment, wildcards.method)}
+    # the CLIP text-prompt methods also run the CLIP adapter (their text tower) every step
+    clip = [str(FEDCORE / "backbones" / "clip.py")] if "clip_tokens" in cls.artifacts(params).values() else []
     out = {
         "dataset": dataset_file(exp["dataset"]),
         "partition": partition_file(wildcards.experiment, wildcards.seed),
-        "code": list(dict.fromkeys(ENGINE_SOURCES + [str(FEDCORE / "methods" / p.name) for p in method_sources(base)])),
+        "code": list(dict.fromkeys(ENGINE_SOURCES + [str(FEDCORE / "methods" / p.name) for p in method_sources(base)]
+                                   + clip)),
     }
-    cls = method_class(base)
-    params = {**cls.defaults, **CFG.method_params(wildcards.experiment, wildcards.method)}
     files = [backbone_file(b) for b in run_backbones(exp)]
     # no file when the method trains its own arch (pFedPT) or the backbone is drawn at random (`scratch: true`)
     if cls.own_backbone(params) is None and None not in files:
