@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import open_clip
+import pytest
 import torch
 
 from conftest import identity, synthetic_bundle
@@ -54,3 +55,16 @@ def run(method: Method, train: DeviceSplit, test: DeviceSplit, clients: int = 2,
                    optimizer=dict(name="sgd", lr=lr, momentum=0.9, weight_decay=5e-4))
     return run_federated(method, train, test, ctr, EvalSets(test, cte, None, "pooled_local"), PIPELINE, spec,
                          progress=False)
+
+
+# Module-scoped fixtures the FedOTP test files import (each importing module gets its own instance).
+@pytest.fixture(scope="module")
+def clip() -> torch.nn.Module:
+    """A tiny random-init CLIP adapter."""
+    return tiny_clip()
+
+
+@pytest.fixture(scope="module")
+def splits(clip: torch.nn.Module) -> tuple[DeviceSplit, DeviceSplit]:
+    """Train and test splits carrying the tiny CLIP's image tokens."""
+    return token_splits(clip)

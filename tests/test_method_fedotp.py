@@ -7,23 +7,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from otp_helpers import NAMES, build, run, tiny_clip, token_splits
+from otp_helpers import NAMES, build, clip, run, splits  # noqa: F401 (clip, splits: fixtures)
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.engine.roles import FitResult, RoundInfo
 from fedcore.methods import method_class
 from fedcore.methods.clip_prompt import TOKENS
 from fedcore.methods.fedotp import GLOBAL, LOCAL, ot_logits, transport_plans
 from fedcore.methods.ot import unbalanced_ot
-
-
-@pytest.fixture(scope="module")
-def clip():
-    return tiny_clip()
-
-
-@pytest.fixture(scope="module")
-def splits(clip):
-    return token_splits(clip)
 
 
 def _perturbed(method, seed: int = 5):

@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from conftest import identity, run_params, synthetic_bundle
-from otp_helpers import NAMES, build, run, tiny_clip, token_splits
+from otp_helpers import NAMES, build, clip, run, splits  # noqa: F401 (clip, splits: fixtures)
 from fedcore.artifacts import build_artifact
 from fedcore.backbones.clip import clip_classnames
 from fedcore.backbones.registry import build_backbone
@@ -18,16 +18,6 @@ from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.methods.clip_prompt import TOKENS
 from fedcore.partition import make_partition
 from fedcore.train import train_run
-
-
-@pytest.fixture(scope="module")
-def clip():
-    return tiny_clip()
-
-
-@pytest.fixture(scope="module")
-def splits(clip):
-    return token_splits(clip)
 
 
 def test_zero_shot_clip_equals_a_hand_computation_and_trains_nothing(clip, splits):
