@@ -244,3 +244,29 @@ def test_counter_timing_changes_a_run_with_several_clients(sgpt_files):
     assert len(a.query(acc)) == len(b.query(acc)) == 3
     losses = "client >= 0 and split == 'train' and metric == 'loss'"
     assert not np.allclose(a.query(losses).value, b.query(losses).value)   # later clients calibrate differently
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_cvpr_era_pooling_averages_cls_and_every_prompt_token(grouped):
+    """pooling cls_prompts (the code of the paper's time): head(mean of every non-patch token); cls_group: CLS
+    (+ group tokens when grouped), as the released code."""
+    m = _method(pooling="cls_prompts", shared_blocks=[0, 1])
+    x = torch.randn(2, 3, 16, 16)
+    groups = torch.tensor([0, 2]) if grouped else None
+    seen = {}
+
+    def keep(tokens):
+        seen["tokens"] = tokens
+        return tokens
+    orig = m.model.backbone.forward_tokens
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(m.model.backbone, "forward_tokens", lambda *a, **k: keep(orig(*a, **k)))
+        logits = m.model(x, groups)
+    tokens = seen["tokens"]
+    patches = (16 // m.model.backbone.patch_size) ** 2
+    prompt_tokens = tokens.shape[1] - patches - 1  # what insertion added: 2 shared (+ 2 group) tokens
+    assert prompt_tokens == 2 + (2 if grouped else 0)
+    torch.testing.assert_close(logits, m.model.head(tokens[:, : 1 + prompt_tokens].mean(1)))
+    m.model.pooling = "cls_group"
+    expected = tokens[:, :3].mean(1) if grouped else tokens[:, 0]
+    torch.testing.assert_close(m.model(x, groups), m.model.head(expected))

@@ -3,7 +3,10 @@
 Model (§1.3). A frozen ViT; shared prompts P_S inserted right after CLS at the blocks in
 ``shared_blocks`` and kept (they accumulate; zero init); one group prompt per group at each block in
 ``group_blocks``, chosen per sample by ``Select`` (VPT uniform init); keys K (G, D), orthogonal init;
-a linear head on the CLS token (Block I) or on mean(CLS, group-prompt tokens) when groups are active.
+a linear head on the CLS token (Block I) or on mean(CLS, group-prompt tokens) when groups are active
+(``pooling: cls_group``, the released code since its commit 199c38b of July 2024). ``pooling: cls_prompts`` is
+the code of the paper's time: the mean of CLS and every shared-prompt token, plus the group-prompt tokens when
+groups are active (config variant ``sgpt_code2024``, with no batch vote and the code's counter timing).
 
 Select (§1.4). The query is the frozen, un-prompted ViT's final-norm CLS after ``select_block``, cached
 per dataset by the ``features`` rule (artifact ``cls_block<b>``); q = L2(ReLU(h)) [code]. Inference: argmax cos(q, k_g).
@@ -62,6 +65,9 @@ def orthogonal_keys(groups: int, dim: int) -> Tensor:
     return torch.stack(out)
 
 
+POOLINGS = ("cls_group", "cls_prompts")
+
+
 def select_scores(queries: Tensor, keys: Tensor) -> Tensor:
     """cos(L2(ReLU(q)), L2(k)) for every (sample, group): (B, G), in float32."""
     q = F.normalize(F.relu(queries.float()), dim=-1)
@@ -77,8 +83,11 @@ class SGPTModel(nn.Module):
     """Shared prompts, group prompts, keys and head around a frozen PromptedViT."""
 
     def __init__(self, backbone: PromptedViT, num_classes: int, groups: int, shared_blocks: list[int],
-                 group_blocks: list[int], first_shared_tokens: int) -> None:
+                 group_blocks: list[int], first_shared_tokens: int, pooling: str = "cls_group") -> None:
         super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"sgpt pooling={pooling!r}: expected one of {POOLINGS}")
+        self.pooling = pooling
         self.backbone = backbone
         dim = backbone.embed_dim
         for name, blocks in (("shared_blocks", shared_blocks), ("group_blocks", group_blocks)):
@@ -102,8 +111,12 @@ class SGPTModel(nn.Module):
                 # a block holding both: the group token goes first, as the code inserts it last
                 prompts[b] = g if s is None else torch.cat([g, s.unsqueeze(0).expand(len(g), -1, -1)], 1)
         tokens = self.backbone.forward_tokens(x, prompts, mode="insert")
-        if groups is not None and self.group_blocks:
-            feat = tokens[:, : len(self.group_blocks) + 1].mean(dim=1)  # mean(CLS, group tokens) [code]
+        # token order after insertion: CLS, group tokens (deepest block first), shared tokens, patches
+        grouped = len(self.group_blocks) if groups is not None else 0
+        if self.pooling == "cls_prompts":  # the CVPR-era code: its count takes one token per shared block
+            feat = tokens[:, : 1 + grouped + len(self.shared_blocks)].mean(dim=1)
+        elif grouped:
+            feat = tokens[:, : grouped + 1].mean(dim=1)  # mean(CLS, group tokens) [code]
         else:
             feat = tokens[:, 0]
         return self.head(feat)
@@ -266,6 +279,7 @@ class SGPT(Method):
         "schedule": "bcd",               # bcd | bcd_inv | joint (Table 3)
         "trace_client": 0,               # whose selection counts are logged every round (Fig. 3)
         "counter_update": "per_round",   # per_round (Alg. 2) | per_client (the official code's timing)
+        "pooling": "cls_group",          # cls_group (code since 199c38b) | cls_prompts (the code of the paper's time)
     }
     param_rules = {
         "groups": Int(1, EMBED_DIM),     # G orthogonal keys fit in the embed dim
@@ -284,6 +298,7 @@ class SGPT(Method):
         "schedule": Choice(SCHEDULES),
         "trace_client": Int(0, LAST_CLIENT),
         "counter_update": Choice(("per_round", "per_client")),
+        "pooling": Choice(POOLINGS),
     }
     client_role = SGPTClient
     strategy_role = SGPTServer
@@ -304,7 +319,7 @@ class SGPT(Method):
         """SGPTModel with the configured block sets."""
         p = self.params
         return SGPTModel(backbone, self.num_classes, int(p["groups"]), list(p["shared_blocks"]),
-                         list(p["group_blocks"]), int(p["first_shared_tokens"]))
+                         list(p["group_blocks"]), int(p["first_shared_tokens"]), str(p["pooling"]))
 
 
 def aggregate_keys(keys: list[Tensor], counts: Tensor, weights: list[float], rule: str,
