@@ -15,7 +15,7 @@ from fedcore.partition_fedotp import prompt_class_names
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.backbones.vit import backbone_info
-from fedcore.data.arrays import load_bundle
+from fedcore.data.arrays import ArrayDataset, load_bundle
 from fedcore.engine.data import DeviceSplit, InputPipeline, cache_features
 from fedcore.engine.evaluate import EvalSets
 from fedcore.engine.loop import RunResult, RunSpec, run_federated
@@ -54,6 +54,26 @@ def check_partition(part: Partition, n_train: int, n_test: int, where: str) -> N
             raise ValueError(f"{where}: client {c} test indices exceed the dataset's {test_len} images")
         if len(tr) == 0:
             raise ValueError(f"{where}: client {c} has no training data")
+
+
+def client_weights(rule: str, train: ArrayDataset, part: Partition) -> list[float] | None:
+    """Each client's weight in the server's averages: None (the samples it trains on) for ``train_size``; for
+    ``domain_size`` its domain's whole train set over the domain's clients (the official SGPT code's weights)."""
+    if rule == "train_size":
+        return None
+    if rule != "domain_size":
+        raise ValueError(f"federation.client_weights={rule!r}: expected train_size or domain_size")
+    if train.domain is None or part.spec.get("scheme") != "domain":
+        raise ValueError("federation.client_weights=domain_size needs a domain partition of a dataset with domain "
+                         f"labels (partition scheme {part.spec.get('scheme')!r})")
+    per_domain = int(part.spec.get("clients_per_domain", 1))
+    out = []
+    for c, idx in enumerate(part.train):
+        domains = np.unique(train.domain[idx])
+        if len(domains) != 1:
+            raise ValueError(f"federation.client_weights=domain_size: client {c} trains on domains {domains.tolist()}")
+        out.append(float((train.domain == domains[0]).sum()) / per_domain)
+    return out
 
 
 def paired_split(split: DeviceSplit, labels: list[np.ndarray], images: list[np.ndarray] | None
@@ -191,6 +211,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     source, test_idx = paired_split(source, part.test, part.test_images)
     evaluation = dict(params.get("evaluation", {}))
     eval_sets = EvalSets(source, test_idx, test, evaluation.get("global_test", "pooled_local"))
+    weights = client_weights(params["federation"].get("client_weights", "train_size"), bundle.train, part)
     spec = RunSpec(identity=dict(identity), federation=params["federation"], optimizer=params["optimizer"],
                    evaluation=evaluation, final_window=int(params.get("final_window", 1)),
                    method_params={"method": cls.name, **method.params, "client_backbones": client_backbones,
@@ -200,7 +221,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     with attention_backend(dev):
         result = run_federated(method, train, test, train_idx, eval_sets, pipeline, spec,
                                checkpoint_path, stop_after_round=stop_after_round, progress=progress,
-                               checkpoint_inputs=reads)
+                               checkpoint_inputs=reads, client_weights=weights)
     if result is None:
         return None
     atomic_torch_save({"identity": identity, "global": result.global_state, "personal": result.personal_states,

@@ -49,8 +49,9 @@ def test_variants_run_their_method_with_merged_params():
     paper = load_config({**DEFAULT, "scale": "paper"}, ROOT)
     assert paper.train_params("sgpt_c100_s10", "sgpt_group_to5")["method_params"] == {
         "groups": 20, "shared_blocks": [0, 1, 2, 3], "group_blocks": [4, 5], "select_block": 11}
-    # spec §6: Table 1 24 + Table 2 14 + Table 3 4 + Table 4 4 + Fig. 3 1 + Fig. 4 18 + Figs. 6a/6b 9
-    assert len(paper.runs()) == 74
+    # spec §6: Table 1 24 + Table 2 14 + Table 3 4 + Table 4 4 + Fig. 3 1 + Fig. 4 18 + Figs. 6a/6b 9, and the
+    # code-era SGPT beside SGPT in Tables 1 and 2 (3 + 2 runs; audit item 3)
+    assert len(paper.runs()) == 79
 
 
 def test_unknown_variant_param_is_reported(tmp_path):
@@ -100,7 +101,7 @@ def test_unknown_method_names_allowed_methods(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, root)
     msg = str(e.value)
-    assert "experiment sgpt_five" in msg and "methods[8]" in msg and "'fedavgg'" in msg and "'fedvpt_d'" in msg
+    assert "experiment sgpt_five" in msg and "methods[9]" in msg and "'fedavgg'" in msg and "'fedvpt_d'" in msg
 
 
 def test_unknown_experiment_key_lists_allowed_keys(tmp_path):
@@ -282,7 +283,7 @@ def test_every_experiment_file_is_checked_at_every_scale(tmp_path):
     root = _edit_experiments(tmp_path, lambda d: d["experiments"]["sgpt_c100_s10"]["methods"].append("fedavgg"))
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, root)
-    assert "paper.yaml" in str(e.value) and "methods[42]: 'fedavgg' is not one of" in str(e.value)
+    assert "paper.yaml" in str(e.value) and "methods[43]: 'fedavgg' is not one of" in str(e.value)
     root = _edit_experiments(tmp_path / "b", lambda d: d["experiments"]["sgpt_c100_s10"]["method_params"]["sgpt"]
                              .update(select_block=12))
     with pytest.raises(ConfigError) as e:

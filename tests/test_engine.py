@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -333,3 +334,23 @@ def test_never_sampled_clients_are_counted_then_can_be_left_out(tiny_run_files, 
     assert inc[(-1, "local", "acc_mean")] == pytest.approx(sum(per_client) / 4)
     assert exc[(-1, "local", "acc_mean")] == pytest.approx(sum(per_client[c] for c in trained) / 2)
     assert exc[(-1, "local", "acc_worst")] == min(per_client[c] for c in trained)
+
+
+def test_domain_size_weights_count_each_domains_whole_train_set():
+    """client_weights: domain_size gives a client its domain's whole train set over the domain's clients (the
+    official SGPT code's weights), whatever subset it trains on; train_size keeps the engine's sample counts."""
+    from fedcore.data.arrays import ArrayDataset
+    from fedcore.partition import Partition
+    from fedcore.train import client_weights
+
+    domain = np.array([0] * 6 + [1] * 3 + [2] * 9)
+    split = ArrayDataset(np.zeros((18, 2, 2, 3), np.uint8), np.zeros(18, np.int64), domain=domain)
+    spec = {"scheme": "domain", "clients_per_domain": 1}
+    part = Partition([np.array([0, 1]), np.array([6, 7]), np.array([9, 10])], [np.array([0])] * 3, spec, 0)
+    assert client_weights("train_size", split, part) is None
+    assert client_weights("domain_size", split, part) == [6.0, 3.0, 9.0]
+    two = Partition([np.array([0]), np.array([1]), np.array([9]), np.array([10])], [np.array([0])] * 4,
+                    {**spec, "clients_per_domain": 2}, 0)
+    assert client_weights("domain_size", split, two) == [3.0, 3.0, 4.5, 4.5]
+    with pytest.raises(ValueError, match="domain partition"):
+        client_weights("domain_size", split, Partition(part.train, part.test, {"scheme": "iid"}, 0))

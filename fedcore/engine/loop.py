@@ -5,7 +5,7 @@ import hashlib
 import itertools
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -129,10 +129,13 @@ def _to_device(state: dict, device: torch.device) -> dict:
 def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_train: list[torch.Tensor],
                   eval_sets: EvalSets, pipeline: InputPipeline, spec: RunSpec,
                   checkpoint_path: str | Path | None = None, stop_after_round: int | None = None,
-                  progress: bool = True, checkpoint_inputs: Sequence[str | Path] = ()) -> RunResult | None:
+                  progress: bool = True, checkpoint_inputs: Sequence[str | Path] = (),
+                  client_weights: Sequence[float] | None = None) -> RunResult | None:
     """Run (or resume) a federated training; None if stopped early by ``stop_after_round``.
 
     A checkpoint older than any of ``checkpoint_inputs`` (the files the run reads) is not resumed.
+    ``client_weights`` (one per client) replace the clients' sample counts as their weights in the server's
+    averages (``FitResult.num_samples``); None keeps the counts.
     """
     fed = spec.federation
     rounds, num_clients = int(fed["rounds"]), len(client_train)
@@ -141,6 +144,8 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
     device = train.x.device
     ckpt = Checkpoint(checkpoint_path, spec.fingerprint(), checkpoint_inputs)
     client, strategy, evaluator = method.client, method.strategy, method.evaluator
+    if client_weights is not None and len(client_weights) != num_clients:
+        raise ValueError(f"{len(client_weights)} client weights for {num_clients} clients")
 
     # a client whose model trains BatchNorm skips a last batch of one sample (its batch statistics are undefined
     # and torch raises; PFLlib's loaders drop_last); frozen or BatchNorm-free models see every sample
@@ -154,7 +159,8 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
     if state is None:
         server = strategy.init_state(num_clients)
         ups = [(c, client.setup(c, data_of(c, 0))) for c in range(num_clients)]
-        ups = [FitResult(c, len(client_train[c]), up, {}) for c, up in ups if up is not None]
+        ups = [FitResult(c, len(client_train[c]) if client_weights is None else client_weights[c], up, {})
+               for c, up in ups if up is not None]
         if ups:
             strategy.setup(server, ups)
         state = {"round": 0, "server": server, "clients": {}, "rows": []}
@@ -182,6 +188,8 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
                         for d in datas)
         results: list[FitResult] = []
         for new_state, res in outcomes:  # one by one: the generator configures the next client after this
+            if client_weights is not None:
+                res = replace(res, num_samples=client_weights[res.cid])
             clients[res.cid] = new_state
             results.append(res)
             state["server"] = strategy.observe(info, state["server"], res)
