@@ -17,7 +17,7 @@ import pytest
 
 from fedcore.data import download as dl
 from fedcore.data.arrays import load_bundle
-from fedcore.data.download import ChecksumError, ChecksumNotPinned, ManualDataMissing
+from fedcore.data.download import ChecksumError, ChecksumNotPinned, DataError, ManualDataMissing
 from fedcore.data.registry import (ChecksumsConfigError, DATASETS, PAPER, build_dataset, check_data, fetch_raw,
                                    load_checksums, raw_files, validate_checksums)
 
@@ -220,8 +220,13 @@ def test_manual_pinned_folder_layout_builds(tmp_path, monkeypatch):
     _office_zip(path)
     checksums = {"files": [dict(MANUAL["files"][0], sha256=hashlib.sha256(path.read_bytes()).hexdigest())]}
     out = tmp_path / "office.npz"
-    build_dataset("office_caltech10", out, res, checksums)
+    # our own split, not the papers': refused unless the config allows it, and nothing is written
+    with pytest.raises(DataError, match="allow_folder_layout=true"):
+        build_dataset("office_caltech10", out, res, checksums)
+    assert not out.exists()
+    build_dataset("office_caltech10", out, res, checksums, allow_folder_layout=True)
     b = load_bundle(out)
+    assert b.meta["folder_layout"] and "layout: folders" in b.meta["source"]
     assert b.meta["domains"] == sources.OFFICE_DOMAINS and b.meta["classes"] == sources.OFFICE_CLASSES
     assert len(b.train) == 4 * 10 * 4 and len(b.test) == 4 * 10 * 1
     assert sorted(np.unique(b.test.domain).tolist()) == [0, 1, 2, 3]

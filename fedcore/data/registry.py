@@ -265,8 +265,12 @@ def _convert(name: str, resources_dir: Path, checksums: dict, timeout: float) ->
 
 
 def build_dataset(name: str, out_path: str | Path, resources_dir: str | Path | None = None,
-                  checksums: dict | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Write the bundle for `name` to `out_path` atomically (embedded: generated; paper: converted)."""
+                  checksums: dict | None = None, timeout: float = DEFAULT_TIMEOUT,
+                  allow_folder_layout: bool = False) -> None:
+    """Write the bundle for `name` to `out_path` atomically (embedded: generated; paper: converted).
+
+    Office/DomainNet found as image folders instead of the FedBN pickles get our own train/test split, not the
+    papers': refused unless ``allow_folder_layout`` (config key ``allow_folder_layout``)."""
     _check_name(name)
     if is_embedded(name):
         bundle = build_embedded(name)
@@ -274,6 +278,15 @@ def build_dataset(name: str, out_path: str | Path, resources_dir: str | Path | N
         if resources_dir is None or checksums is None:
             raise ValueError(f"dataset '{name}' is built from raw files: resources_dir and checksums are required")
         bundle = _convert(name, Path(resources_dir), checksums, timeout)
+        if bundle.meta.get("folder_layout") and not allow_folder_layout:
+            raise DataError(f"dataset '{name}': found image folders, not the FedBN pickles "
+                            f"(<domain>_train.pkl / <domain>_test.pkl) under {resources_dir}; the folders get our "
+                            "own stratified 80/20 split, so the train and test sets differ from the papers'. Put the "
+                            "pickles there, or accept our split with `--config allow_folder_layout=true` (the bundle's "
+                            "source line then records the layout)")
+        if bundle.meta.get("folder_layout"):
+            log.warning("dataset %s: built from image folders with our own train/test split (allow_folder_layout)",
+                        name)
     bundle.meta.setdefault("name", name)
     save_bundle(bundle, out_path)
 

@@ -360,7 +360,7 @@ def _feature_shift(inputs: list[Path], what: str, domains: list[str], classes: l
           for s, p in parts.items()}
     return DatasetBundle(train=ds["train"], test=ds["test"],
                          meta={"classes": classes, "domains": domains, "source": f"{source}; layout: {layout}",
-                               "image_size": size})
+                               "image_size": size, "folder_layout": first_pkl is None})
 
 
 def office_caltech10(inputs: list[Path]) -> DatasetBundle:
