@@ -211,7 +211,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     source, test_idx = paired_split(source, part.test, part.test_images)
     evaluation = dict(params.get("evaluation", {}))
     eval_sets = EvalSets(source, test_idx, test, evaluation.get("global_test", "pooled_local"))
-    weights = client_weights(params["federation"].get("client_weights", "train_size"), bundle.train, part)
+    agg_weights = client_weights(params["federation"].get("client_weights", "train_size"), bundle.train, part)
     spec = RunSpec(identity=dict(identity), federation=params["federation"], optimizer=params["optimizer"],
                    evaluation=evaluation, final_window=int(params.get("final_window", 1)),
                    method_params={"method": cls.name, **method.params, "client_backbones": client_backbones,
@@ -221,7 +221,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     with attention_backend(dev):
         result = run_federated(method, train, test, train_idx, eval_sets, pipeline, spec,
                                checkpoint_path, stop_after_round=stop_after_round, progress=progress,
-                               checkpoint_inputs=reads, client_weights=weights)
+                               checkpoint_inputs=reads, client_weights=agg_weights)
     if result is None:
         return None
     atomic_torch_save({"identity": identity, "global": result.global_state, "personal": result.personal_states,
