@@ -238,7 +238,9 @@ class Verdict:
     numbers: list[tuple[str, str, float | str]] = field(default_factory=list)
 
     def numbers_text(self, decimals: int = 2) -> str:
-        """'label [column] = 12.34; …' in the order used."""
+        """'label [column] = 12.34; …' in the order used ('' when no cell has a number)."""
+        if not any(isinstance(v, float) for _, _, v in self.numbers):
+            return ""
         return "; ".join(f"{lab} [{col}] = {v:.{decimals}f}" if isinstance(v, float) else f"{lab} [{col}] = {v}"
                          for lab, col, v in self.numbers)
 
@@ -285,9 +287,11 @@ class Grid:
             if not isinstance(v, float):
                 missing.setdefault(str(v), []).append(f"{lab} [{col}]")
         if missing:
-            n = sum(map(len, missing.values()))
+            n, total = sum(map(len, missing.values())), len(set(self.used))
+            if n == total:   # nothing to list cell by cell
+                return Verdict(MISSING, f"none of the {total} cells has a number ({', '.join(missing)})", self.used)
             why = "; ".join(f"{status}: {', '.join(cells)}" for status, cells in missing.items())
-            return Verdict(MISSING, f"{n} of {len(set(self.used))} cells have no number ({why})"
+            return Verdict(MISSING, f"{n} of {total} cells have no number ({why})"
                            + (f"; on the others: {detail}" if detail else ""), self.used)
         return Verdict(HOLDS if ok else FAILS, detail, self.used)
 

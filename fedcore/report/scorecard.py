@@ -80,8 +80,10 @@ def _n(x: Any) -> str:
     return "n/a" if isinstance(x, float) and math.isnan(x) else str(int(x))
 
 
-def render_scorecard_markdown(card: pd.DataFrame, paper: str, tol: float = TOLERANCE) -> str:
-    """Per scale a table of cell counts; at scale paper the within-tolerance count and the largest differences."""
+def render_scorecard_markdown(card: pd.DataFrame, paper: str, tol: float = TOLERANCE,
+                              metrics_scales: set[str] | None = None) -> str:
+    """Per scale a table of cell counts; at scale paper the within-tolerance count and the largest differences;
+    a scale missing from `metrics_scales` (the scales the metrics hold) is said to have no runs there."""
     lines = [f"# {paper}: reproduction scorecard", "",
              f"Cells of the paper's result tables (kind metrics) per scale: configured, with the paper's number, "
              f"with a run (a number of ours), and why the rest have none. At scale paper, cells with both numbers "
@@ -92,7 +94,11 @@ def render_scorecard_markdown(card: pd.DataFrame, paper: str, tol: float = TOLER
             "not implemented", "compared", f"within {tol:g}"]
     keys = ["cells", "with_paper", *STATUS_COUNTS, "compared", "within_tol"]
     for scale, rows in cells.groupby("scale", sort=False):
-        lines += [f"## Scale {scale}", "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+        lines += [f"## Scale {scale}", ""]
+        if metrics_scales is not None and scale not in metrics_scales:
+            lines += [f"results/metrics.parquet holds no run of scale {scale} (it aggregates the runs of the scale "
+                      "the pipeline ran).", ""]
+        lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         for r in rows.to_dict("records"):
             name = f"**{r['table']}**" if r["table"] == "all" else r["table"]
             lines.append(f"| {name} | " + " | ".join(_n(r[k]) for k in keys) + " |")
@@ -108,10 +114,11 @@ def render_scorecard_markdown(card: pd.DataFrame, paper: str, tol: float = TOLER
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_scorecard(card: pd.DataFrame, paper: str, out_csv: str | os.PathLike, out_md: str | os.PathLike) -> None:
+def write_scorecard(card: pd.DataFrame, paper: str, out_csv: str | os.PathLike, out_md: str | os.PathLike,
+                    metrics_scales: set[str] | None = None) -> None:
     """Write the scorecard as CSV and Markdown, both rendered before either is written (atomic)."""
     texts = {Path(out_csv): card.to_csv(index=False, float_format="%.6g", lineterminator="\n"),
-             Path(out_md): render_scorecard_markdown(card, paper)}
+             Path(out_md): render_scorecard_markdown(card, paper, metrics_scales=metrics_scales)}
     with contextlib.ExitStack() as stack:
         tmps = {path: stack.enter_context(atomic_path(path)) for path in texts}
         for path, text in texts.items():
@@ -121,4 +128,5 @@ def write_scorecard(card: pd.DataFrame, paper: str, out_csv: str | os.PathLike, 
 def write_paper_scorecard(paper: str, views: Mapping[str, Mapping[str, Any]], metrics_path: str | os.PathLike,
                           out_csv: str | os.PathLike, out_md: str | os.PathLike) -> None:
     """The workflow's entry: read the aggregated metrics, build the paper's scorecard at every scale, write it."""
-    write_scorecard(build_scorecard(views, pd.read_parquet(metrics_path)), paper, out_csv, out_md)
+    metrics = pd.read_parquet(metrics_path)
+    write_scorecard(build_scorecard(views, metrics), paper, out_csv, out_md, set(metrics["scale"].unique()))
