@@ -20,6 +20,7 @@ include: "rules/features.smk"
 include: "rules/probes.smk"
 include: "rules/train.smk"
 include: "rules/report.smk"
+include: "rules/claims.smk"
 
 
 rule all:
@@ -28,3 +29,4 @@ rule all:
         all_tables(),
         all_figures(),
         all_partition_summaries(),
+        all_claim_reports(),

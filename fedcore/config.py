@@ -136,6 +136,8 @@ class Resolved:
     tables: dict[str, dict] = field(default_factory=dict)
     figures: dict[str, dict] = field(default_factory=dict)
     variants: dict[str, dict] = field(default_factory=dict)   # name -> {method, params, label}
+    # paper -> {"tables": [names], "figures": [names], "claims": [claim dicts]} of config/reports/<paper>.yaml
+    reports: dict[str, dict] = field(default_factory=dict)
     backbones: dict[str, dict] = field(default_factory=dict)
     checksums_path: Path | None = None
     _scales: dict[str, "Resolved"] = field(default_factory=dict, repr=False, compare=False)  # at_scale's cache
@@ -259,6 +261,18 @@ class Resolved:
                 if "input_size" in exp:  # FedHPL (CNN)'s pad prompt is sized by the images it pads
                     model["input_size"] = exp["input_size"]
             out.append(model)
+        return out
+
+    def claims_view(self, paper: str) -> dict[str, dict]:
+        """Per scale, what a paper's claims and scorecard are built with: its tables and figures at that scale,
+        the experiments' report view and the implemented methods."""
+        out = {}
+        for scale in sorted({self.scale, *self._scales}):
+            at = self.at_scale(scale)
+            names = at.reports.get(paper, {"tables": [], "figures": []})
+            out[scale] = {"tables": {n: at.tables[n] for n in names["tables"]},
+                          "figures": {n: at.figures[n] for n in names["figures"]},
+                          "experiments": at.report_view(), "implemented": at.implemented_methods()}
         return out
 
     def report_view(self) -> dict[str, dict]:
@@ -544,6 +558,25 @@ def _load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: 
                 _check_figure(entry, resolved.experiments, where, runnable)
                 entry["labels"] = {m: labels.get(m, m) for m in sorted(figure_methods(entry, resolved.experiments))}
             getattr(resolved, kind)[name] = entry
+    tables = {n: resolved.tables[n] for n in report.get("tables", {})}
+    figures = {n: resolved.figures[n] for n in report.get("figures", {})}
+    _check_claims(report.get("claims", []), tables, figures, f"{report_file} (claims) after {scale_file}")
+    resolved.reports[paper] = {"tables": list(tables), "figures": list(figures), "claims": report.get("claims", [])}
+
+
+def _check_claims(claims: list[dict], tables: dict, figures: dict, where: str) -> None:
+    """Claims have unique ids and name tables, rows and columns of this paper that their predicate can read."""
+    from fedcore.report.claims import check_claim
+
+    seen = set()
+    for i, claim in enumerate(claims):
+        if claim["id"] in seen:
+            raise ConfigError(f"config error in {where} at claims[{i}].id: {claim['id']!r} is used twice")
+        seen.add(claim["id"])
+        try:
+            check_claim(claim, tables, figures)
+        except ValueError as e:
+            raise ConfigError(f"config error in {where} at claims[{i}] ({claim['id']}): {e}") from e
 
 
 def _runnable(resolved: Resolved) -> set[str]:
