@@ -18,6 +18,7 @@ include: "rules/backbones.smk"
 include: "rules/partitions.smk"
 include: "rules/features.smk"
 include: "rules/probes.smk"
+include: "rules/probes_runs.smk"
 include: "rules/train.smk"
 include: "rules/report.smk"
 
