@@ -4,6 +4,7 @@
 # and probes the model (engine + the method's files + the analysis files), so an edit of any reruns the probe.
 from fedcore.methods import method_sources as _pft_method_sources
 
+# the linear probe runs the first two files; the t-SNE and attention probes all four
 RUN_PROBE_CODE = [str(FEDCORE / "analysis" / f)
                   for f in ("trained_run.py", "linear_probe.py", "run_features.py", "tsne.py")]
 
@@ -33,10 +34,10 @@ def trained_run_args(exp, method, seed):
             "weights": files.get("backbone"), "final_path": files["final"], "sha256": run_sha256(exp)}
 
 
-def run_probe_code(methods):
-    """Engine, the methods' own files and the analysis files."""
+def run_probe_code(methods, analysis=RUN_PROBE_CODE):
+    """Engine, the methods' own files and the analysis files the probe runs."""
     own = [str(FEDCORE / "methods" / p.name) for m in methods for p in _pft_method_sources(CFG.base_method(m))]
-    return list(dict.fromkeys(ENGINE_SOURCES + own + RUN_PROBE_CODE))
+    return list(dict.fromkeys(ENGINE_SOURCES + own + list(analysis)))
 
 
 def linear_probe_file(exp, method, seed):
@@ -60,7 +61,7 @@ def linear_probe_files(name):
 def linear_probe_inputs(wildcards):
     files = trained_run_files(wildcards.experiment, wildcards.method, wildcards.seed)
     return {**files, "metrics": f"{run_dir(wildcards.experiment, wildcards.method, wildcards.seed)}/metrics.parquet",
-            "code": run_probe_code([wildcards.method])}
+            "code": run_probe_code([wildcards.method], RUN_PROBE_CODE[:2])}
 
 
 def probe_panels(name, kind):

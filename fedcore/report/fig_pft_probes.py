@@ -88,12 +88,13 @@ def attention_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict, s
             missing.append((p["label"], f"{p['method']}: {p['status']}"))
             continue
         w = arrays[f"weights_{i}"]
+        ax.set_title(f"{p['label']} ({w.shape[0]} images)", fontsize="medium")  # a client may hold fewer
         im = ax.imshow(w, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
         ax.set_xticks(range(w.shape[1]), ["f"] + [str(k) for k in range(1, w.shape[1])], fontsize="xx-small")
         ax.set_xlabel(f"input of τ: f, then {p['prompts']} prompts 1..{w.shape[1] - 1}", fontsize="x-small")
         ax.set_ylabel("test sample", fontsize="x-small")
         fig.colorbar(im, ax=ax, shrink=0.8)
     add_notes(fig, missing_note("Not drawn", missing))
-    set_caption(fig, f"{fig_cfg.get('caption', '')}\nscale {scale}; client {meta.get('client')}, first "
-                     f"{meta.get('samples')} test images; weights averaged over heads")
+    set_caption(fig, f"{fig_cfg.get('caption', '')}\nscale {scale}; client {meta.get('client')}, its first "
+                     f"{meta.get('samples')} test images (fewer where it has fewer); weights averaged over heads")
     return fig
