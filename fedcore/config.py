@@ -551,7 +551,7 @@ def _load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: 
                 entry["concrete"] = {x["dataset"]: scale["datasets"].get(x["dataset"]) for x in items}
             if kind == "tables":
                 _check_table(entry, resolved.experiments, where, runnable)
-                if entry.get("kind", "metrics") == "metrics":
+                if entry.get("kind", "metrics") in ("metrics", "linear_probe"):
                     # explicit row_labels win; then the report's labels; then the variants' own labels
                     entry["row_labels"] = {r: entry.get("row_labels", {}).get(r, labels.get(r, r)) for r in entry["rows"]}
             else:
@@ -600,8 +600,8 @@ def figure_experiments(fig: dict) -> list[str]:
         return list(dict.fromkeys(c["experiment"] for c in fig["columns"]))
     if fig["kind"] == "image_grid":  # reads datasets, not runs
         return []
-    if fig["kind"] == "partition_bubbles":
-        return [p["experiment"] for p in fig["panels"]]
+    if fig["kind"] in ("partition_bubbles", "run_tsne", "attention"):
+        return list(dict.fromkeys(p["experiment"] for p in fig["panels"]))
     if fig["kind"] == "sweep":  # a point may read its own experiment (a setting of the data, not the method)
         return list(dict.fromkeys([fig["experiment"]] + [p["experiment"] for s in fig["series"]
                                                          for p in s["points"] if "experiment" in p]))
@@ -661,6 +661,9 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
         return
     if table.get("kind") == "dataset_stats":  # reads bundles only; its rows name datasets, not methods
         return
+    if table.get("kind") == "linear_probe":
+        _check_probe_table(table, experiments, where, runnable)
+        return
     from fedcore.report.tables import row_source
 
     sources = table.get("row_sources", {})
@@ -690,6 +693,25 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
             if len(values) != len(attrs["columns"]):
                 raise ConfigError(f"config error in {where} at row_attributes.values.{row}: {len(values)} values "
                                   f"for {len(attrs['columns'])} columns")
+
+
+def _check_probe_table(table: dict, experiments: dict, where: str, runnable: set[str]) -> None:
+    """Rows are methods or read one through ``row_sources``; columns name known experiments; paper rows fit."""
+    sources = table.get("row_sources", {})
+    for row, src in sources.items():
+        _check_name(row, table["rows"], where, f"row_sources.{row}")
+        _check_name(src["method"], runnable, where, f"row_sources.{row}.method")
+    for i, row in enumerate(table["rows"]):
+        if row not in sources:
+            _check_name(row, runnable, where, f"rows[{i}]")
+    for i, col in enumerate(table["columns"]):
+        _check_name(col["experiment"], experiments, where, f"columns[{i}].experiment")
+    for key in ("paper", "paper_std"):
+        for row, values in table.get(key, {}).items():
+            _check_name(row, table["rows"], where, f"{key}.{row}")
+            if len(values) != len(table["columns"]):
+                raise ConfigError(f"config error in {where} at {key}.{row}: {len(values)} values for "
+                                  f"{len(table['columns'])} columns")
 
 
 def _check_param_table(table: dict, experiments: dict, where: str, runnable: set[str]) -> None:

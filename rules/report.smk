@@ -22,6 +22,12 @@ def report_data(name, kind_input):
         return f"{RESULTS}/probes/{name}/tsne.npz"
     if kind_input == "values":
         return f"{RESULTS}/probes/{name}/congruence.csv"
+    if kind_input == "probe_runs":  # rules/probes_runs.smk: one CSV per probed run
+        return linear_probe_files(name)
+    if kind_input == "run_embedding":
+        return f"{RESULTS}/probes/{name}/run_tsne.npz"
+    if kind_input == "attention":
+        return f"{RESULTS}/probes/{name}/attention.npz"
     if kind_input == "partition":
         return partition_counts_file(CFG.figures[name]["experiment"], CFG.seeds[0])
     if kind_input == "partitions":

@@ -12,6 +12,9 @@ output when it changes):
     partitions  several partitions' counts    figure partition_grid (FedHPL Fig. 4), one CSV per panel
     datasets    dataset bundles               table dataset_stats (FedOTP Table A1), figure image_grid (Fig. A1)
     partition_files  partitions + a bundle    figure partition_bubbles (FedOTP Fig. A2)
+    probe_runs  per-run linear-probe CSVs     tables of kind linear_probe (FedPFT Tables 1, 4, 5, 8)
+    run_embedding  probe run_tsne .npz        figure run_tsne (FedPFT Figs. 2, 3)
+    attention   probe attention .npz          figure attention (FedPFT Fig. 6)
 """
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ FIGURE_INPUT: dict[str, str] = {
     "tsne": "embedding", "congruence": "values", "partition_counts": "partition",
     "partition_grid": "partitions",
     "image_grid": "datasets", "partition_bubbles": "partition_files",
+    "run_tsne": "run_embedding", "attention": "attention",
 }
-TABLE_INPUT: dict[str, str] = {"metrics": "metrics", "param_count": "counts", "dataset_stats": "datasets"}
+TABLE_INPUT: dict[str, str] = {"metrics": "metrics", "param_count": "counts", "dataset_stats": "datasets",
+                               "linear_probe": "probe_runs"}
 
 
 def bundles_by_name(paths) -> dict[str, str]:
@@ -89,6 +94,10 @@ def build_figure(fig_cfg: dict, path: str | os.PathLike, context: Mapping[str, A
         return fig_probes.tsne_figure(read_tsne(path), fig_cfg)
     if kind == "congruence":
         return fig_probes.congruence_figure(pd.read_csv(path), fig_cfg, scale)
+    if kind in ("run_tsne", "attention"):
+        from fedcore.report import fig_pft_probes
+
+        return fig_pft_probes.build(kind, path, fig_cfg, scale)
     if kind == "partition_grid":
         return fig_probes.partition_grid_figure([pd.read_csv(p) for p in path], fig_cfg, context.get("seed"),
                                                 experiments, scale)
@@ -133,6 +142,13 @@ def render_table(table_cfg: dict, inputs: Mapping[str, Any], out_md: str | os.Pa
     from fedcore.report.tables import build_table, write_table
 
     scale = context["scale"]
+    if table_cfg.get("kind") == "linear_probe":
+        from fedcore.report.probe_table import build_probe_table, read_probe_rows
+
+        table = build_probe_table(read_probe_rows(path), table_cfg, context["experiments"], scale,
+                                  set(context["implemented"]))
+        write_table(table, table_cfg, scale, out_md, out_tex, out_csv)
+        return
     table = build_table(pd.read_parquet(path), table_cfg, context["experiments"], scale,
                         set(context["implemented"]))
     write_table(table, table_cfg, scale, out_md, out_tex, out_csv)

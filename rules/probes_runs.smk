@@ -1,0 +1,149 @@
+# Probes on trained runs (FedPFT Tables 1, 4, 5, 8, Figs. 2, 3, 6; spec fedpft §1.12, §7.2): they rebuild a run's
+# method from its config slice and final.pt (fedcore/analysis/trained_run.py). Inputs: the run's final.pt (and, for
+# the linear probe, its metrics, to check the rebuild), its data, partition and backbone, and the code that builds
+# and probes the model (engine + the method's files + the analysis files), so an edit of any reruns the probe.
+from fedcore.methods import method_sources as _pft_method_sources
+
+# the linear probe runs the first two files; the t-SNE and attention probes all four
+RUN_PROBE_CODE = [str(FEDCORE / "analysis" / f)
+                  for f in ("trained_run.py", "linear_probe.py", "run_features.py", "tsne.py")]
+
+
+def _run_identity(exp, method, seed):
+    x = CFG.experiments[exp]
+    return {"paper": x["paper"], "experiment": exp, "method": method, "scale": SCALE, "dataset": x["dataset"],
+            "seed": int(seed)}
+
+
+def trained_run_files(exp, method, seed):
+    """The files a rebuilt run reads: final.pt, dataset, partition and (if the backbone has one) its weights."""
+    x = CFG.experiments[exp]
+    out = {"final": f"{run_dir(exp, method, seed)}/final.pt", "dataset": dataset_file(x["dataset"]),
+           "partition": partition_file(exp, seed)}
+    weights = backbone_file(x["backbone"])
+    if weights is not None:
+        out["backbone"] = weights
+    return out
+
+
+def trained_run_args(exp, method, seed):
+    """load_trained_run's keyword arguments for one run (its paths are the rule's inputs)."""
+    files = trained_run_files(exp, method, seed)
+    return {"params": CFG.train_params(exp, method), "identity": _run_identity(exp, method, seed),
+            "dataset_path": files["dataset"], "partition_path": files["partition"], "arch": run_archs(exp),
+            "weights": files.get("backbone"), "final_path": files["final"], "sha256": run_sha256(exp)}
+
+
+def run_probe_code(methods, analysis=RUN_PROBE_CODE):
+    """Engine, the methods' own files and the analysis files the probe runs."""
+    own = [str(FEDCORE / "methods" / p.name) for m in methods for p in _pft_method_sources(CFG.base_method(m))]
+    return list(dict.fromkeys(ENGINE_SOURCES + own + list(analysis)))
+
+
+def linear_probe_file(exp, method, seed):
+    return f"{RESULTS}/probes/linear_probe/{SCALE}/{exp}/{method}/seed{seed}.csv"
+
+
+def linear_probe_files(name):
+    """The per-run probe CSVs a linear_probe table reads: every configured (row's method, column's experiment)
+    run, every seed; cells of methods an experiment does not run read nothing (their status says so)."""
+    table = CFG.tables[name]
+    sources = table.get("row_sources") or {}
+    out = []
+    for row in table["rows"]:
+        method = sources.get(row, {}).get("method", row)
+        for col in table["columns"]:
+            if method in CFG.experiments[col["experiment"]]["methods"]:
+                out += [linear_probe_file(col["experiment"], method, s) for s in CFG.seeds]
+    return list(dict.fromkeys(out))
+
+
+def linear_probe_inputs(wildcards):
+    files = trained_run_files(wildcards.experiment, wildcards.method, wildcards.seed)
+    return {**files, "metrics": f"{run_dir(wildcards.experiment, wildcards.method, wildcards.seed)}/metrics.parquet",
+            "code": run_probe_code([wildcards.method], RUN_PROBE_CODE[:2])}
+
+
+def probe_panels(name, kind):
+    """A run_tsne / attention figure's panels, each with its run's load arguments (first seed), or a status."""
+    fig = _probe_cfg(name, kind)
+    out = []
+    for p in fig["panels"]:
+        entry = dict(p)
+        if p["method"] in CFG.experiments[p["experiment"]]["methods"]:
+            entry["run"] = trained_run_args(p["experiment"], p["method"], CFG.seeds[0])
+        else:
+            entry["status"] = "not configured"
+        out.append(entry)
+    return out
+
+
+def probe_panel_inputs(kind):
+    def inputs(wildcards):
+        panels = probe_panels(wildcards.name, kind)
+        files = [f for p in panels if "run" in p
+                 for f in trained_run_files(p["experiment"], p["method"], CFG.seeds[0]).values()]
+        return {"runs": list(dict.fromkeys(files)), "code": run_probe_code([p["method"] for p in panels])}
+    return inputs
+
+
+rule linear_probe:
+    input:
+        unpack(linear_probe_inputs),
+    output:
+        linear_probe_file("{experiment}", "{method}", "{seed}"),
+    params:
+        run=lambda wc: trained_run_args(wc.experiment, wc.method, wc.seed),
+        device=CFG.top["device"],
+        threads=CFG.top["threads_per_run"],
+    log:
+        f"{RESULTS}/logs/probes/linear_probe/{SCALE}/{{experiment}}/{{method}}/seed{{seed}}.log",
+    threads: 1
+    resources:
+        gpu=1 if SCALE == "paper" else 0,
+        runtime=60 if SCALE == "paper" else 5,
+        mem_mb=24000 if SCALE == "paper" else 2000,
+    script:
+        "../workflow/scripts/probe_linear.py"
+
+
+rule run_tsne:
+    input:
+        unpack(probe_panel_inputs("run_tsne")),
+    output:
+        f"{RESULTS}/probes/{{name}}/run_tsne.npz",
+    params:
+        panels=lambda wc: probe_panels(wc.name, "run_tsne"),
+        figure=lambda wc: _probe_cfg(wc.name, "run_tsne"),
+        device=CFG.top["device"],
+        threads=CFG.top["threads_per_run"],
+    log:
+        f"{RESULTS}/logs/probes/{{name}}/run_tsne.log",
+    threads: 1
+    resources:
+        gpu=1 if SCALE == "paper" else 0,
+        runtime=60 if SCALE == "paper" else 5,
+        mem_mb=24000 if SCALE == "paper" else 2000,
+    script:
+        "../workflow/scripts/probe_run_tsne.py"
+
+
+rule attention:
+    input:
+        unpack(probe_panel_inputs("attention")),
+    output:
+        f"{RESULTS}/probes/{{name}}/attention.npz",
+    params:
+        panels=lambda wc: probe_panels(wc.name, "attention"),
+        figure=lambda wc: _probe_cfg(wc.name, "attention"),
+        device=CFG.top["device"],
+        threads=CFG.top["threads_per_run"],
+    log:
+        f"{RESULTS}/logs/probes/{{name}}/attention.log",
+    threads: 1
+    resources:
+        gpu=1 if SCALE == "paper" else 0,
+        runtime=60 if SCALE == "paper" else 5,
+        mem_mb=24000 if SCALE == "paper" else 2000,
+    script:
+        "../workflow/scripts/probe_attention.py"
