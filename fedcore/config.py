@@ -611,6 +611,9 @@ def figure_experiments(fig: dict) -> list[str]:
 def figure_methods(fig: dict, experiments: dict[str, dict] | None = None) -> set[str]:
     """Every method or variant a figure names (accuracy_per_round: its experiments' methods)."""
     names = set(fig.get("methods", [])) | set(fig.get("baselines", [])) | {x["method"] for x in fig.get("lines", [])}
+    names |= {r["method"] for r in fig.get("runs", [])}
+    if "method" in fig:
+        names.add(fig["method"])
     if fig["kind"] == "bars":  # rows read through row_sources are labels; their method is what runs
         sources = fig.get("row_sources", {})
         names |= {sources[r]["method"] if r in sources else r for r in fig["rows"]}
@@ -669,17 +672,27 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
     sources = table.get("row_sources", {})
     for row, src in sources.items():
         _check_name(row, table["rows"], where, f"row_sources.{row}")
-        _check_name(src["method"], runnable, where, f"row_sources.{row}.method")
+        if "method" in src:
+            _check_name(src["method"], runnable, where, f"row_sources.{row}.method")
+        if "experiment" in src:
+            _check_name(src["experiment"], experiments, where, f"row_sources.{row}.experiment")
+    every_column_names_a_method = all("method" in col for col in table["columns"])
     for i, row in enumerate(table["rows"]):
-        if row not in sources:
+        if "method" not in sources.get(row, {}) and not every_column_names_a_method:
             _check_name(row, runnable, where, f"rows[{i}]")
     for i, col in enumerate(table["columns"]):
         _check_name(col["experiment"], experiments, where, f"columns[{i}].experiment")
+        if "method" in col:
+            _check_name(col["method"], runnable, where, f"columns[{i}].method")
         for row in sources:
             _check_name(row_source(table, row, col)[1]["experiment"], experiments, where,
                         f"row_sources.{row} (column {i})")
-        if col["metric"] == "client_acc" and "client" not in col:
-            raise ConfigError(f"config error in {where} at columns[{i}]: metric client_acc needs a 'client' key")
+        if col["metric"] == "client_acc" and ("client" in col) == ("clients" in col):
+            raise ConfigError(f"config error in {where} at columns[{i}]: metric client_acc needs a 'client' key or "
+                              "a 'clients' list, not both")
+        if "clients" in col and col["metric"] != "client_acc":
+            raise ConfigError(f"config error in {where} at columns[{i}]: 'clients' goes with metric client_acc, "
+                              f"not {col['metric']!r}")
     for key in ("paper", "paper_std"):
         for row, values in table.get(key, {}).items():
             _check_name(row, table["rows"], where, f"{key}.{row}")

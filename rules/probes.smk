@@ -1,8 +1,9 @@
-# Probes: analyses that are not training runs but feed SGPT's tables and figures (spec sgpt §6.0).
+# Probes: analyses that are not training runs but feed tables and figures (SGPT spec §6.0; FedOTP Figs. A4, A5).
 # Each writes results/probes/<table or figure name>/..., read by the table/figure rule of that name.
 from fedcore.methods import METHODS as _METHODS, method_class as _method_class, method_source as _method_source
 
-ANALYSIS_CODE = [str(FEDCORE / "analysis" / f) for f in ("clustering.py", "congruence.py", "params.py", "tsne.py")]
+ANALYSIS_CODE = [str(FEDCORE / "analysis" / f) for f in ("clustering.py", "congruence.py", "params.py", "tsne.py",
+                                                          "transport.py")]
 
 
 def _probe_cfg(name, kind):
@@ -73,6 +74,88 @@ def tsne_inputs(wildcards):
         "backbone": backbone_file(exp["backbone"]),
         "code": ANALYSIS_CODE + [str(FEDCORE / "features.py")],
     }
+
+
+def transport_runs(name):
+    """One entry per configured run of the figure (first seed): label, base method, its params, and the run's
+    final.pt, or why there is none."""
+    fig = _probe_cfg(name, "transport_plans")
+    exp = fig["experiment"]
+    out = []
+    for r in fig["runs"]:
+        entry = {"label": r["label"], "variant": r["method"], "method": CFG.base_method(r["method"]),
+                 "params": CFG.method_params(exp, r["method"])}
+        if r["method"] in CFG.experiments[exp]["methods"]:
+            entry["path"] = f"{run_dir(exp, r['method'], CFG.seeds[0])}/final.pt"
+        else:
+            entry["status"] = "not configured"
+        out.append(entry)
+    return out
+
+
+def transport_inputs(wildcards):
+    fig = _probe_cfg(wildcards.name, "transport_plans")
+    exp = CFG.experiments[fig["experiment"]]
+    return {
+        "dataset": dataset_file(exp["dataset"]),
+        "partition": partition_file(fig["experiment"], CFG.seeds[0]),
+        "backbone": backbone_file(exp["backbone"]),
+        "runs": [r["path"] for r in transport_runs(wildcards.name) if "path" in r],
+        "code": ANALYSIS_CODE + [str(FEDCORE / "methods" / f) for f in ("fedotp.py", "ot.py", "clip_prompt.py")],
+    }
+
+
+def prompt_tsne_inputs(wildcards):
+    fig = _probe_cfg(wildcards.name, "prompt_tsne")
+    exp = fig["experiment"]
+    if fig["method"] not in CFG.experiments[exp]["methods"]:
+        raise ValueError(f"figure {wildcards.name}: method {fig['method']!r} is not run in experiment {exp!r}")
+    return {
+        "final": f"{run_dir(exp, fig['method'], CFG.seeds[0])}/final.pt",
+        "dataset": dataset_file(CFG.experiments[exp]["dataset"]),
+        "partition": partition_file(exp, CFG.seeds[0]),
+        "code": ANALYSIS_CODE,
+    }
+
+
+rule transport_plans:
+    input:
+        unpack(transport_inputs),
+    output:
+        f"{RESULTS}/probes/{{name}}/transport_plans.npz",
+    params:
+        figure=lambda wc: _probe_cfg(wc.name, "transport_plans"),
+        runs=lambda wc: transport_runs(wc.name),
+        arch=lambda wc: run_archs(_probe_cfg(wc.name, "transport_plans")["experiment"]),
+        device=CFG.top["device"],
+        threads=CFG.top["threads_per_run"],
+    log:
+        f"{RESULTS}/logs/probes/{{name}}/transport_plans.log",
+    threads: 1
+    resources:
+        gpu=1 if SCALE == "paper" else 0,
+        runtime=30 if SCALE == "paper" else 5,
+        mem_mb=8000 if SCALE == "paper" else 2000,
+    script:
+        "../workflow/scripts/probe_transport_plans.py"
+
+
+rule prompt_tsne:
+    input:
+        unpack(prompt_tsne_inputs),
+    output:
+        f"{RESULTS}/probes/{{name}}/prompt_tsne.npz",
+    params:
+        figure=lambda wc: _probe_cfg(wc.name, "prompt_tsne"),
+        threads=CFG.top["threads_per_run"],
+    log:
+        f"{RESULTS}/logs/probes/{{name}}/prompt_tsne.log",
+    threads: 1
+    resources:
+        runtime=10,
+        mem_mb=4000,
+    script:
+        "../workflow/scripts/probe_prompt_tsne.py"
 
 
 rule param_counts:

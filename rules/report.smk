@@ -20,6 +20,10 @@ def report_data(name, kind_input):
         return f"{RESULTS}/probes/{name}/param_counts.csv"
     if kind_input == "embedding":
         return f"{RESULTS}/probes/{name}/tsne.npz"
+    if kind_input == "prompt_embedding":
+        return f"{RESULTS}/probes/{name}/prompt_tsne.npz"
+    if kind_input == "plans":
+        return f"{RESULTS}/probes/{name}/transport_plans.npz"
     if kind_input == "values":
         return f"{RESULTS}/probes/{name}/congruence.csv"
     if kind_input == "probe_runs":  # rules/probes_runs.smk: one CSV per probed run

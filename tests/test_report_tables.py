@@ -263,3 +263,28 @@ def test_a_method_with_its_own_shorter_budget_is_not_incomplete():
 def test_report_view_carries_method_budgets():
     view = load_config({**DEFAULT, "papers": ["fedotp"]}, ROOT).report_view()["otp_office_feature"]
     assert view["method_rounds"] == {"zs_clip": 1}        # every other method runs the experiment's rounds
+
+
+def test_client_list_columns_give_mean_and_std_over_those_clients():
+    """FedOTP Table A3: a column over a domain's clients shows their mean ± std (ddof 0) of each client's accuracy
+    averaged over seeds; a listed client without a value leaves the cell empty, never a mean over fewer."""
+    exps = {"e": {"methods": ["m"], "report": {"window": "last", "rounds": 1}, "rounds": 10}}
+    metrics = pd.concat([metric_rows("e", "m", {(0, "local", "acc"): 0.2, (1, "local", "acc"): 0.4,
+                                                (2, "local", "acc"): 0.9}, seed=0),
+                         metric_rows("e", "m", {(0, "local", "acc"): 0.4, (1, "local", "acc"): 0.4,
+                                                (2, "local", "acc"): 0.9}, seed=1)])
+    cols = [{"label": "A", "experiment": "e", "metric": "client_acc", "clients": [0, 1]},
+            {"label": "Avg.", "experiment": "e", "metric": "client_acc", "clients": [0, 1, 2]},
+            {"label": "gap", "experiment": "e", "metric": "client_acc", "clients": [2, 3]},
+            {"label": "one", "experiment": "e", "metric": "client_acc", "client": 2}]
+    cfg = {"caption": "c", "rows": ["m"], "columns": cols, "paper": {}}
+    t = build_table(metrics, cfg, exps, "mini", {"m"})
+    assert t["ours"].iloc[0] == pytest.approx(35.0) and t["ours_std"].iloc[0] == pytest.approx(5.0)
+    assert t["ours"].iloc[1] == pytest.approx(160.0 / 3)
+    assert t["ours_std"].iloc[1] == pytest.approx(pd.Series([30.0, 40.0, 90.0]).std(ddof=0))
+    assert t["status"].iloc[2] == "missing metric" and math.isnan(t["ours"].iloc[2])
+    assert t["std_over"].tolist() == ["clients", "clients", "clients", "seeds"] and t["n_seeds"].iloc[0] == 2
+    md = render_markdown(t, cfg, "mini")
+    assert "35.00 ± 5.00" in md and "Columns A, Avg., gap: mean ± std over the column's clients" in md
+    with pytest.raises(ValueError, match="not both"):
+        build_table(metrics, {**cfg, "columns": [{**cols[0], "client": 0}]}, exps, "mini", {"m"})

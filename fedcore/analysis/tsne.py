@@ -95,3 +95,48 @@ def read_tsne(path: str | os.PathLike) -> dict[str, Any]:
     blocks = [int(b) for b in z["blocks"]]
     return {"blocks": blocks, "labels": z["labels"], "meta": meta,
             "embeddings": {b: z[f"emb_{b}"] for b in blocks if f"emb_{b}" in z}}
+
+
+def client_coarse_labels(coarse: np.ndarray, train_parts: list[np.ndarray]) -> np.ndarray:
+    """Each client's coarse class: the most frequent coarse label of its train samples (the only one under FedOTP's
+    coarse split, spec fedotp §3.2e)."""
+    out = []
+    for c, idx in enumerate(train_parts):
+        if len(idx) == 0:
+            raise ValueError(f"client {c} has no train samples: no coarse class to colour it by")
+        out.append(int(np.bincount(np.asarray(coarse)[idx]).argmax()))
+    return np.asarray(out, dtype=np.int64)
+
+
+def prompt_tsne(final_path: str | os.PathLike, dataset_path: str | os.PathLike, partition_path: str | os.PathLike,
+                fig_cfg: dict[str, Any], out_path: str | os.PathLike) -> None:
+    """FedOTP Fig. A5 probe: t-SNE of every client's final personal prompt (``prompt``, default ctx_local,
+    flattened), labelled by the client's coarse class; written in this module's format (one map, index 0)."""
+    import torch
+
+    from fedcore.data.arrays import load_bundle
+    from fedcore.partition import Partition
+
+    bundle = load_bundle(dataset_path)
+    if bundle.train.coarse is None:
+        raise ValueError(f"{dataset_path} has no coarse labels: the prompt t-SNE colours clients by coarse class")
+    part = Partition.load(partition_path)
+    key = fig_cfg.get("prompt", "ctx_local")
+    personal = torch.load(final_path, map_location="cpu", weights_only=True).get("personal") or {}
+    missing = [c for c in range(len(part.train)) if key not in (personal.get(c) or {})]
+    if missing:
+        raise ValueError(f"{final_path}: clients {missing[:5]} have no personal {key!r} (a method with personal "
+                         "prompts is needed, e.g. fedotp)")
+    feats = np.stack([personal[c][key].float().flatten().numpy() for c in range(len(part.train))])
+    labels = client_coarse_labels(bundle.train.coarse, part.train)
+    seed = int(fig_cfg.get("seed", 0))
+    perplexity = float(fig_cfg.get("perplexity", 30))
+    emb = tsne_embedding(feats, perplexity, seed)
+    meta = {"format": FORMAT, "arch": f"final {key} ({feats.shape[1]}-d)", "split": "",
+            "label_kind": "coarse", "label_names": list(bundle.meta.get("coarse_classes") or []),
+            "perplexity": min(perplexity, (len(feats) - 1) / 3.0), "seed": seed, "panel_titles": [key],
+            "unit": "clients"}
+    with atomic_path(Path(out_path), suffix=".npz") as tmp:
+        with open(tmp, "wb") as f:
+            np.savez(f, blocks=np.asarray([0], dtype=np.int64), labels=labels, index=np.arange(len(feats)),
+                     meta=json.dumps(meta), emb_0=emb)

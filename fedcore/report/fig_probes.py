@@ -29,25 +29,27 @@ def _class_colors(n: int) -> list[tuple]:
 
 def tsne_figure(data: dict[str, Any], fig_cfg: dict) -> Figure:
     """One panel per configured block: the t-SNE map coloured by (coarse) class."""
-    blocks = [int(b) for b in fig_cfg["blocks"]]
+    blocks = [int(b) for b in fig_cfg.get("blocks", data["blocks"])]  # prompt_tsne: the probe's one map
     ncols = min(len(blocks), 5)
     nrows = math.ceil(len(blocks) / ncols)
     fig, axes = new_figure(nrows, ncols, panel=(3.4, 3.4))
     labels = np.asarray(data["labels"])
     meta = data.get("meta", {})
+    titles = meta.get("panel_titles")
     n_classes = int(labels.max(initial=-1)) + 1
     colors = _class_colors(max(n_classes, 1))
     missing = []
     for ax, b in zip(axes.ravel(), blocks):
-        ax.set_title(f"after block {b + 1} (index {b})", fontsize="medium")
+        ax.set_title(titles[b] if titles else f"after block {b + 1} (index {b})", fontsize="medium")
         emb = data["embeddings"].get(b)
         if emb is None:
             mark_empty(ax, "not computed")
             missing.append((f"block index {b}", "not in the probe's output"))
             continue
+        size = 4 if len(labels) > 200 else 30  # a few clients' prompts: points large enough to see
         for c in range(n_classes):
             sel = labels == c
-            ax.scatter(emb[sel, 0], emb[sel, 1], s=4, color=colors[c], alpha=0.8, linewidths=0)
+            ax.scatter(emb[sel, 0], emb[sel, 1], s=size, color=colors[c], alpha=0.8, linewidths=0)
         ax.set_xticks([])
         ax.set_yticks([])
     for ax in axes.ravel()[len(blocks):]:
@@ -61,8 +63,9 @@ def tsne_figure(data: dict[str, Any], fig_cfg: dict) -> Figure:
     short = [(names[c] if c < len(names) else str(c), f"{n} of {meta.get('per_class')} samples")
              for c, n in enumerate(drawn) if meta.get("per_class") and n < meta["per_class"]]
     add_notes(fig, missing_note("Not drawn", missing) + missing_note("Fewer samples than configured", short))
-    set_caption(fig, f"{fig_cfg.get('caption', '')}\n{meta.get('arch', '')}, {len(labels)} {meta.get('split', '')} "
-                     f"images, perplexity {meta.get('perplexity', '')}")
+    counted = " ".join(t for t in (str(len(labels)), meta.get("split", ""), meta.get("unit", "images")) if t)
+    set_caption(fig, f"{fig_cfg.get('caption', '')}\n{meta.get('arch', '')}, {counted}, perplexity "
+                     f"{meta.get('perplexity', '')}")
     return fig
 
 
@@ -189,4 +192,53 @@ def partition_grid_figure(counts: list[pd.DataFrame], fig_cfg: dict, seed: int |
     seed_text = "" if seed is None else f"partition seed {seed}"
     where = ", ".join(t for t in (f"{scale} scale" if scale else "", seed_text) if t)
     set_caption(fig, f"{fig_cfg.get('caption', '')}" + (f" ({where})" if where else ""))
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# FedOTP Fig. A4: transport plans over the image
+# ----------------------------------------------------------------------------------------------
+
+def plan_heat(plan: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+    """One prompt's plan column (M,) as a (gh, gw) map in [0, 1]: min-max normalised per image and prompt (spec §5
+    Fig. A4 [R]); a constant plan maps to zeros."""
+    heat = np.asarray(plan, dtype=np.float64).reshape(grid)
+    lo, hi = heat.min(), heat.max()
+    return (heat - lo) / (hi - lo) if hi > lo else np.zeros_like(heat)
+
+
+def transport_plans_figure(data: dict[str, Any], fig_cfg: dict) -> Figure:
+    """Rows = test images; columns = the image, then Global and Local plan of each run (gamma) overlaid on it
+    (jet, alpha 0.5, bicubic upsampling of the patch grid); a run without plans keeps its columns, marked."""
+    meta = data["meta"]
+    images, plans = data["images"], data["plans"]
+    runs, status = meta["runs"], meta["status"]
+    grid = tuple(int(g) for g in meta["grid"])
+    n = len(images)
+    fig, axes = new_figure(n, 1 + 2 * len(runs), panel=(1.7, 1.7))
+    for i in range(n):
+        h, w = images[i].shape[:2]
+        ax = axes[i, 0]
+        ax.imshow(images[i])
+        ax.set_ylabel(f"client {int(data['clients'][i])}\n{meta['class_names'][i]}", fontsize="small")
+        if i == 0:
+            ax.set_title("image", fontsize="small")
+        for r, label in enumerate(runs):
+            for j, which in enumerate(("Global", "Local")):
+                ax = axes[i, 1 + 2 * r + j]
+                if i == 0:
+                    ax.set_title(f"{which}\n{label}", fontsize="small")
+                if status[r] != OK:
+                    mark_empty(ax, status[r])
+                    continue
+                ax.imshow(images[i])
+                ax.imshow(plan_heat(plans[r, i, :, j], grid), cmap="jet", alpha=0.5, interpolation="bicubic",
+                          extent=(-0.5, w - 0.5, h - 0.5, -0.5), vmin=0.0, vmax=1.0)
+    for ax in axes.ravel():
+        ax.set_xticks([])
+        ax.set_yticks([])
+    missing = [(label, s) for label, s in zip(runs, status) if s != OK]
+    add_notes(fig, missing_note("Not drawn", missing))
+    set_caption(fig, f"{fig_cfg.get('caption', '')}\n{meta.get('arch', '')}: {grid[0]}x{grid[1]} patches; each map "
+                     "min-max normalised per image and prompt")
     return fig

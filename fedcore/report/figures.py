@@ -90,7 +90,7 @@ def draw_panel(ax, rows: pd.DataFrame, experiment: str, fig_cfg: dict, colors: d
         stats = curve(rows.loc[rows["method"] == method], metric_factor(fig_cfg))
         n_seeds = rows.loc[rows["method"] == method, "seed"].nunique()
         ax.plot(stats.index, stats["mean"], marker="o", markersize=3, color=colors[method],
-                label=f"{method} (n={n_seeds})")
+                label=f"{(fig_cfg.get('labels') or {}).get(method, method)} (n={n_seeds})")
         band = stats["count"] > 1  # std is defined only where more than one seed was evaluated
         if band.any():
             ax.fill_between(stats.index[band], (stats["mean"] - stats["std"])[band],

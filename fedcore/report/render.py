@@ -7,6 +7,8 @@ output when it changes):
                                              selection_counts, sweep
     counts      probe param_counts CSV        tables of kind param_count (SGPT Table 5)
     embedding   probe tsne .npz               figure tsne (Fig. 5)
+    prompt_embedding  probe prompt_tsne .npz  figure prompt_tsne (FedOTP Fig. A5)
+    plans       probe transport plans .npz    figure transport_plans (FedOTP Fig. A4)
     values      probe congruence CSV          figure congruence (Fig. 6a)
     partition   a partition's counts CSV      figure partition_counts (Fig. 7)
     partitions  several partitions' counts    figure partition_grid (FedHPL Fig. 4), one CSV per panel
@@ -28,6 +30,7 @@ FIGURE_INPUT: dict[str, str] = {
     "accuracy_per_round": "metrics", "scatter": "metrics", "selection_counts": "metrics", "sweep": "metrics",
     "per_class": "metrics", "bars": "metrics",
     "tsne": "embedding", "congruence": "values", "partition_counts": "partition",
+    "prompt_tsne": "prompt_embedding", "transport_plans": "plans",
     "partition_grid": "partitions",
     "image_grid": "datasets", "partition_bubbles": "partition_files",
     "run_tsne": "run_embedding", "attention": "attention",
@@ -88,10 +91,14 @@ def build_figure(fig_cfg: dict, path: str | os.PathLike, context: Mapping[str, A
         return fig_metrics.sweep_figure(metrics, fig_cfg, experiments, scale, implemented)
     from fedcore.report import fig_probes
 
-    if kind == "tsne":
+    if kind in ("tsne", "prompt_tsne"):
         from fedcore.analysis.tsne import read_tsne
 
         return fig_probes.tsne_figure(read_tsne(path), fig_cfg)
+    if kind == "transport_plans":
+        from fedcore.analysis.transport import read_transport_plans
+
+        return fig_probes.transport_plans_figure(read_transport_plans(path), fig_cfg)
     if kind == "congruence":
         return fig_probes.congruence_figure(pd.read_csv(path), fig_cfg, scale)
     if kind in ("run_tsne", "attention"):

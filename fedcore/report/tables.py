@@ -9,7 +9,11 @@
                           (first | last | a round number) where it names one
     ours, ours_std        our number in the metric's unit (accuracies in %; METRIC_UNITS) (mean over
                           seeds of each seed's windowed value; std over seeds with ddof=1, NaN with one
-                          seed); NaN when there is no number
+                          seed); NaN when there is no number. A `client_acc` column with `clients: [...]`
+                          (FedOTP Table A3: a domain's clients) instead gives the mean and the std (ddof=0,
+                          as the official code's np.std) over those clients of each client's accuracy
+                          (its windowed value, averaged over seeds)
+    std_over              what ours_std spreads over: seeds, or clients (a `clients` column)
     n_seeds               seeds behind `ours` (0 when none)
     rounds_used           fewest evaluated rounds any seed contributed to its window (<NA> if none)
     short_window          some seed had fewer evaluated rounds than the window needs (marked †)
@@ -93,7 +97,7 @@ STATUS_NOTES = {
 TABLE_COLUMNS = [
     "row", "row_label", "column", "col_index", "experiment", "metric", "client", "window",
     "ours", "ours_std", "n_seeds", "rounds_used", "short_window", "incomplete", "untrained",
-    "paper", "diff", "status", "scale", "paper_role", "paper_std",
+    "paper", "diff", "status", "scale", "paper_role", "paper_std", "std_over",
 ]
 
 
@@ -105,13 +109,26 @@ def metric_key(col: dict) -> tuple[str, int, str]:
     """Map a table column's metric shorthand to (split, client, metric)."""
     name = col["metric"]
     if name == "client_acc":
-        if "client" not in col:
-            raise ValueError(f"column {col.get('label')!r}: metric client_acc needs a 'client' key")
-        return ("local", int(col["client"]), "acc")
+        if ("client" in col) == ("clients" in col):
+            raise ValueError(f"column {col.get('label')!r}: metric client_acc needs a 'client' key or a 'clients' "
+                             "list (mean ± std over them), not both")
+        return ("local", int(col["client"]) if "client" in col else -1, "acc")
     if name not in METRIC_KEYS:
         raise ValueError(f"column {col.get('label')!r}: unknown metric {name!r}; "
                          f"expected one of {sorted(METRIC_KEYS) + ['client_acc']}")
     return METRIC_KEYS[name]
+
+
+def column_clients(col: dict) -> list[int] | None:
+    """The clients a ``client_acc`` column aggregates (mean ± std over them), or None for one-number columns."""
+    clients = col.get("clients")
+    if clients is None:
+        return None
+    if col["metric"] != "client_acc" or not clients or any(isinstance(c, bool) or not isinstance(c, int) or c < 0
+                                                           for c in clients):
+        raise ValueError(f"column {col.get('label')!r}: 'clients' must be a non-empty list of client indices "
+                         f"with metric client_acc, got {clients!r} with metric {col['metric']!r}")
+    return [int(c) for c in clients]
 
 
 def check_report(report: dict) -> tuple[str, int | None]:
@@ -253,8 +270,10 @@ def build_cell(metrics: pd.DataFrame, method: str, col: dict, exp_cfg: dict, sca
     """Compute one cell: our number (or the reason there is none) and its provenance."""
     split, client, metric = metric_key(col)
     which = check_round(col)
+    clients = column_clients(col)
     run = run_rows(metrics, col["experiment"], exp_cfg, method, scale)
-    rows = run.loc[(run["split"] == split) & (run["client"] == client) & (run["metric"] == metric)]
+    rows = run.loc[(run["split"] == split) & (run["metric"] == metric)
+                   & (run["client"].isin(clients) if clients else run["client"] == client)]
     if isinstance(which, int):
         rows = rows.loc[rows["round"] == which]
     cell: dict[str, Any] = {
@@ -263,14 +282,26 @@ def build_cell(metrics: pd.DataFrame, method: str, col: dict, exp_cfg: dict, sca
         "ours": math.nan, "ours_std": math.nan,
         "n_seeds": 0, "rounds_used": pd.NA, "short_window": False, "incomplete": False, "untrained": False,
         "status": cell_status(method, exp_cfg, run, rows, implemented),
+        "std_over": "clients" if clients else "seeds",
     }
     if cell["status"] != OK:
         return cell
-    per_seed = seed_values(rows, exp_cfg["report"], which)
-    mean, std = mean_std(per_seed["value"])
+    if clients:
+        per_client = {c: seed_values(rows.loc[rows["client"] == c], exp_cfg["report"], which) for c in clients}
+        if any(v.empty for v in per_client.values()):  # a listed client without a value: no number, never a
+            cell["status"] = MISSING_METRIC            # mean over fewer clients than the column says
+            return cell
+        values = pd.Series([v["value"].mean() for v in per_client.values()], dtype=float)
+        mean, std = float(values.mean()), float(values.std(ddof=0))
+        per_seed = pd.concat(per_client.values())
+        n_seeds = min(len(v) for v in per_client.values())
+    else:
+        per_seed = seed_values(rows, exp_cfg["report"], which)
+        mean, std = mean_std(per_seed["value"])
+        n_seeds = len(per_seed)
     factor = metric_factor(col)
     cell.update(
-        ours=factor * mean, ours_std=factor * std, n_seeds=len(per_seed),
+        ours=factor * mean, ours_std=factor * std, n_seeds=n_seeds,
         rounds_used=int(per_seed["rounds_used"].min()), short_window=bool(per_seed["short"].any()),
         incomplete=_incomplete(run, exp_cfg, method), untrained=_untrained(run, exp_cfg["report"], which),
     )
@@ -289,13 +320,15 @@ def _untrained(run: pd.DataFrame, report: dict, which: str | int | None) -> bool
 
 
 def row_source(table_cfg: dict, row: str, col: dict) -> tuple[str, dict]:
-    """(method, column) a row's cell reads: the row itself, or its ``row_sources`` entry (another method, and
-    the column's experiment with ``experiment_replace: [old, new]`` applied: FedHPL Table 2's "FedHPL (ViT)"
-    row reads the heterogeneous-ViT experiment of each heterogeneous-ResNet column)."""
-    src = (table_cfg.get("row_sources") or {}).get(row)
-    if src is None:
-        return row, col
-    return src["method"], {**col, "experiment": replace_experiment(col["experiment"], src.get("experiment_replace"))}
+    """(method, column) a row's cell reads. The method: the row's ``row_sources`` method, else the column's
+    ``method`` (FedOTP Table A4: columns are the gamma variants, rows experiments), else the row itself. The
+    experiment: the row's source ``experiment``, else the column's with the source's ``experiment_replace: [old,
+    new]`` applied (FedHPL Table 2's "FedHPL (ViT)" row reads the heterogeneous-ViT experiment of each
+    heterogeneous-ResNet column), else the column's."""
+    src = (table_cfg.get("row_sources") or {}).get(row) or {}
+    method = src.get("method") or col.get("method") or row
+    experiment = src.get("experiment") or replace_experiment(col["experiment"], src.get("experiment_replace"))
+    return method, {**col, "experiment": experiment}
 
 
 def replace_experiment(experiment: str, replace: list[str] | None) -> str:
@@ -314,7 +347,8 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
     for col in table_cfg["columns"]:
         if col["experiment"] not in experiments:
             raise ValueError(f"column {col.get('label')!r}: unknown experiment {col['experiment']!r}")
-        metric_key(col)  # fail on a bad metric or round before any work
+        metric_key(col)  # fail on a bad metric, client list or round before any work
+        column_clients(col)
         check_round(col)
         check_report(experiments[col["experiment"]].get("report") or {})
     labels = table_cfg.get("row_labels") or {}
@@ -355,14 +389,14 @@ def _typical_seeds(table: pd.DataFrame) -> int:
 
 
 def _best_mask(table: pd.DataFrame, table_cfg: dict | None = None) -> pd.Series:
-    """Cells holding the best of our numbers in their column (ties all count; compared as shown); the table's
-    ``best`` says whether the highest (default), the lowest or none is best."""
+    """Cells holding the best of our numbers in their column (``best_in: row``: in their row; ties all count;
+    compared as shown); the table's ``best`` says whether the highest (default), the lowest or none is best."""
     cfg = table_cfg or {}
     how = cfg.get("best", "max")
     if how == "none":
         return pd.Series(False, index=table.index)
     shown = table["ours"].round(int(cfg.get("decimals", 2)))
-    best = shown.groupby(table["col_index"]).transform(how)
+    best = shown.groupby(table["row" if cfg.get("best_in") == "row" else "col_index"]).transform(how)
     return (table["status"] == OK) & (shown == best)
 
 
@@ -435,10 +469,16 @@ def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) ->
     """Notes printed under the table: seeds, windows, marks and empty-cell reasons that occur."""
     notes = []
     typical = _typical_seeds(table)
+    over_clients = table.get("std_over", pd.Series("seeds", index=table.index)) == "clients"
     if typical > 1:
-        notes.append(f"Ours: mean ± std over seeds, n = {typical} seeds per cell unless marked (n=k).")
+        notes.append(f"Ours: mean ± std over seeds, n = {typical} seeds per cell unless marked (n=k)"
+                     + (", except as said below." if over_clients.any() else "."))
     elif typical == 1:
-        notes.append("Ours: one seed per cell (no std) unless marked (n=k).")
+        notes.append("Ours: one seed per cell (no std over seeds) unless marked (n=k).")
+    if over_clients.any():
+        cols = ", ".join(table.loc[over_clients, "column"].drop_duplicates())
+        notes.append(f"Columns {cols}: mean ± std over the column's clients (std ddof=0, as the official code's "
+                     "np.std) of each client's accuracy, averaged over seeds first.")
     cells = table.drop_duplicates(["experiment", "window"])
     windows = cells.groupby("window", sort=False)["experiment"].apply(list)
     for window, exps in windows.items():
@@ -464,7 +504,8 @@ def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) ->
         notes.append("Empty cells: " + "; ".join(STATUS_NOTES[s] for s in present) + ".")
     how = (table_cfg or {}).get("best", "max")
     if (table["status"] == OK).any() and how != "none":
-        notes.append("Bold = best of our numbers in the column" + (" (the lowest)." if how == "min" else "."))
+        where = "row" if (table_cfg or {}).get("best_in") == "row" else "column"
+        notes.append(f"Bold = best of our numbers in the {where}" + (" (the lowest)." if how == "min" else "."))
     return notes
 
 
@@ -489,7 +530,7 @@ def render_markdown(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
     """A pipe table with the caption (and the scale note) on top and the footnotes below."""
     subs = _subheaders(scale)
     attr_cols, attr_rows = _row_attributes(table_cfg, table)
-    header = ["Method"] + attr_cols + [f"{c}: {s}" for c in _column_labels(table) for s in subs]
+    header = [table_cfg.get("row_header", "Method")] + attr_cols + [f"{c}: {s}" for c in _column_labels(table) for s in subs]
     labels, grid = _grid(table, scale, table_cfg)
     lines = [f"**{table_cfg.get('caption', '')}** {scale_note(scale, _percent_only(table))}", ""]
     lines.append("| " + " | ".join(_md_escape(h) for h in header) + " |")
@@ -531,7 +572,7 @@ def render_latex(table: pd.DataFrame, table_cfg: dict, scale: str, label: str | 
     lines += [r"\resizebox{\linewidth}{!}{%", r"\begin{tabular}{l" + "c" * a + "r" * (k * len(cols)) + "}", r"\toprule"]
     lines.append(" & ".join([""] * (1 + a) + [rf"\multicolumn{{{k}}}{{c}}{{{latex_escape(c)}}}" for c in cols]) + r" \\")
     lines.append(" ".join(rf"\cmidrule(lr){{{2 + a + k * i}-{1 + a + k * (i + 1)}}}" for i in range(len(cols))))
-    lines.append(" & ".join(["Method"] + [latex_escape(c) for c in attr_cols] + [latex_escape(s) for s in subs] * len(cols))
+    lines.append(" & ".join([latex_escape(table_cfg.get("row_header", "Method"))] + [latex_escape(c) for c in attr_cols] + [latex_escape(s) for s in subs] * len(cols))
                  + r" \\")
     lines.append(r"\midrule")
     for row_label, attrs, entries in zip(labels, attr_rows, grid):
