@@ -212,6 +212,8 @@ class Resolved:
             out["client_backbones"] = [names.index(b) for b in exp["client_backbones"]]
         if "input_size" in exp:  # absent unless set, so that the other runs' params stay as they were
             out["input_size"] = exp["input_size"]
+        if "augment" in exp:  # the same: an experiment without a base augmentation keeps its runs' params
+            out["augment"] = list(exp["augment"])
         out["final_window"] = exp["report"].get("rounds", 1) if exp["report"]["window"] == "last" else 1
         out["paper"] = exp["paper"]
         return out
@@ -339,6 +341,26 @@ def _check_method_params(name: str, exp: dict, resolved: "Resolved", files: str)
             raise ConfigError(f"config error in {files}: experiment {name!r}, {label}: {e}") from e
 
 
+def _check_augment(name: str, exp: dict, resolved: "Resolved", files: str) -> None:
+    """``augment`` names known augmentations, and every method of the experiment trains on images (a head-only
+    method's batches carry cached features, which no augmentation reaches)."""
+    if "augment" not in exp:
+        return
+    from fedcore.engine.data import check_augment
+    from fedcore.engine.roles import Method
+    from fedcore.methods import method_class
+
+    try:
+        check_augment(tuple(exp["augment"]), f"experiment {name!r}, key 'augment'")
+    except ValueError as e:
+        raise ConfigError(f"config error in {files}: {e}") from e
+    for m in exp["methods"]:
+        if exp["augment"] and method_class(resolved.base_method(m)).frozen_features is not Method.frozen_features:
+            raise ConfigError(f"config error in {files}: experiment {name!r}, key 'augment' = {exp['augment']}: "
+                              f"method {m!r} trains on cached frozen features, which no augmentation reaches; run "
+                              "it in an experiment without augment")
+
+
 def _check_input_size(name: str, exp: dict, resolved: "Resolved", files: str) -> None:
     """``input_size`` needs backbones that take any input size (ResNets: global pooling), and methods that feed
     them: not one that trains its own backbone, nor one that reads per-sample artifacts (computed at the
@@ -463,6 +485,7 @@ def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolve
             _check_partition(name, out, files)
             _check_method_params(name, out, resolved, files)
             _check_input_size(name, out, resolved, files)
+            _check_augment(name, out, resolved, files)
         before = {kind: set(getattr(resolved, kind)) for kind in ("tables", "figures")}
         _load_report(root, paper, scale, scale_file, schema, resolved)
         # a scale's overrides name this paper's experiments, tables and figures

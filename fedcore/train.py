@@ -16,7 +16,7 @@ from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.backbones.vit import backbone_info
 from fedcore.data.arrays import ArrayDataset, load_bundle
-from fedcore.engine.data import DeviceSplit, InputPipeline, cache_features
+from fedcore.engine.data import DeviceSplit, InputPipeline, cache_features, check_augment
 from fedcore.engine.evaluate import EvalSets
 from fedcore.engine.loop import RunResult, RunSpec, run_federated
 from fedcore.engine.roles import ExtraData
@@ -201,6 +201,11 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
         extra = load_bundle(path)
         method.attach_dataset(role, ExtraData(DeviceSplit.from_arrays(extra.train, dev), extra.num_classes, pipeline))
     extractor = method.frozen_features()
+    augment = tuple(params.get("augment", ()))
+    check_augment(augment, "the experiment's key 'augment'")
+    if augment and extractor is not None:
+        raise ValueError(f"the experiment's key 'augment' = {list(augment)}: method {cls.name} trains on cached "
+                         "frozen features, which no augmentation reaches; run it without augment")
     if extractor is not None:
         # features that nothing trained can change are computed once, not every epoch and round
         bs = int(params.get("evaluation", {}).get("batch_size", 256))
@@ -213,7 +218,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     eval_sets = EvalSets(source, test_idx, test, evaluation.get("global_test", "pooled_local"))
     agg_weights = client_weights(params["federation"].get("client_weights", "train_size"), bundle.train, part)
     spec = RunSpec(identity=dict(identity), federation=params["federation"], optimizer=params["optimizer"],
-                   evaluation=evaluation, final_window=int(params.get("final_window", 1)),
+                   evaluation=evaluation, final_window=int(params.get("final_window", 1)), augment=augment,
                    method_params={"method": cls.name, **method.params, "client_backbones": client_backbones,
                                   "backbones": archs})
     reads = [dataset_path, partition_path, *(w for w in weights if w is not None), *(artifacts or {}).values(),

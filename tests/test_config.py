@@ -315,3 +315,19 @@ def test_results_must_be_a_directory(tmp_path):
                                               rf"'{a_file}' is a file"):
             load_config({**DEFAULT, **parse_config([f"results={value}"])}, ROOT)
     assert load_config({**DEFAULT, "results": str(tmp_path / "new" / "results")}, ROOT).top["results"]
+
+
+def test_an_experiments_augment_reaches_every_method_of_it_and_no_other_run(tmp_path):
+    """FedPFT spec §8 A21: the base augmentation is the experiment's, the same for FedAvg and FedPFT; experiments
+    without one (every SGPT run) keep their params; an unknown name is refused when the config loads."""
+    cfg = load_config({**DEFAULT, "papers": ["sgpt", "fedpft"]}, ROOT)
+    assert cfg.train_params("pft_c100_dir0p1", "fedavg")["augment"] == ["crop_flip", "rotate15"]
+    assert cfg.train_params("pft_c100_dir0p1", "fedpft")["augment"] == ["crop_flip", "rotate15"]
+    assert "augment" not in cfg.train_params("pft_c10_dir0p1", "fedavg")
+    assert "augment" not in cfg.train_params("sgpt_five", "sgpt")
+    root = _copy_config(tmp_path)
+    path = root / "config" / "experiments" / "fedpft.yaml"
+    path.write_text(path.read_text().replace("augment: [flip, rotate15]", "augment: [flip, rotate_15]", 1))
+    with pytest.raises(ConfigError, match=r"experiment 'pft_tiny_dir0p1', key 'augment': unknown augmentation\(s\) "
+                                          r"\['rotate_15'\]"):
+        load_config({**DEFAULT, "papers": ["fedpft"]}, root)

@@ -81,3 +81,38 @@ def test_an_unknown_augmentation_is_refused_when_the_method_is_built():
     with pytest.raises(ValueError, match=r"method fedvpt: unknown augmentation\(s\) \['mixup'\]"):
         Bad(None, 3)
     assert "crop_flip" in AUGMENTATIONS
+
+
+class RecordingClient(BatchableClient):
+    """Records the first batch and ClientData.base_augment each fit sees."""
+
+    seen: list = []
+
+    def fit(self, cid, state, downlink, data, settings):
+        RecordingClient.seen.append((next(data.batches()).x.clone(), data.base_augment))
+        return super().fit(cid, state, downlink, data, settings)
+
+
+class RawClient(RecordingClient):
+    raw_batches = True
+
+
+@pytest.mark.parametrize("client, augment, changed, base", [
+    (RecordingClient, [], False, ()),                          # no augment: batches as before
+    (RecordingClient, ["crop_flip"], True, ()),                # every method's batches get the experiment's
+    (RawClient, ["crop_flip"], False, ("crop_flip",)),        # a raw_batches client gets the names instead
+])
+def test_the_experiments_augment_reaches_every_clients_batches(tiny_run_files, tmp_path, monkeypatch, client,
+                                                                augment, changed, base):
+    """FedPFT spec §8 A21: one base augmentation for all methods of an experiment, at the engine."""
+    def first_batch(method_cls, aug):
+        monkeypatch.setattr(fedcore.train, "method_class", lambda name: method_cls)
+        RecordingClient.seen = []
+        params = {**run_params(rounds=1, participation=0.25), **({"augment": aug} if aug else {})}
+        train_run(params, identity("fedvpt"), tiny_run_files["dataset"], tiny_run_files["partition"], "vit_mini",
+                  tiny_run_files["weights"], tmp_path / "m.parquet", tmp_path / "f.pt", progress=False)
+        return RecordingClient.seen[0]
+
+    plain, _ = first_batch(type("Plain", (FedVPT,), {"client_role": RecordingClient}), [])
+    x, seen_base = first_batch(type("Run", (FedVPT,), {"client_role": client}), augment)
+    assert plain.shape == x.shape and torch.equal(plain, x) != changed and seen_base == base

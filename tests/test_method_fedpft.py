@@ -251,3 +251,19 @@ def test_a_run_trains_end_to_end_and_its_moco_state_survives_a_resume(tiny_run_f
         assert torch.equal(st["moco"]["queue"], resumed.client_states[c]["moco"]["queue"])
         assert torch.equal(st["moco"]["key"]["net.conv1.weight"], resumed.client_states[c]["moco"]["key"]["net.conv1.weight"])
     assert not torch.equal(full.client_states[0]["moco"]["queue"], full.client_states[1]["moco"]["queue"])
+
+
+def test_the_base_augmentation_reaches_the_ce_view_only_and_moco_views_start_from_the_raw_batch():
+    """A21 with A5: FedPFT takes raw batches (raw_batches), applies the experiment's augment to its CE view and
+    makes both MoCo views from the un-augmented images."""
+    method = _method()
+    model, moco = _ready(method)
+    data, calls = _data(), []
+    raw = next(data.batches()).x
+    inner = data.augment
+    data.augment = lambda t, name: calls.append((name, torch.equal(t, raw))) or inner(t, name)  # noqa: E731
+    data.base_augment = ("crop_flip", "rotate15")
+    feature, _ = phase_plan(method.params, 2)[0]
+    method.client.losses(model, feature, next(data.batches()), data, moco)
+    assert type(method.client).raw_batches
+    assert calls == [("crop_flip", True), ("rotate15", False), ("moco_v1", True), ("moco_v1", True)]

@@ -39,6 +39,9 @@ class RunSpec:
     evaluation: dict[str, Any] = field(default_factory=dict)  # global_test, every, batch_size, per_class
     final_window: int = 1             # the last rounds are always evaluated (the report window)
     method_params: dict[str, Any] = field(default_factory=dict)  # the method's (or variant's) params
+    # the experiment's base augmentation of every method's training batches (FedPFT §8 A21), applied before the
+    # method's own ``Client.augment``; a ``Client.raw_batches`` client gets it as ``ClientData.base_augment``
+    augment: tuple[str, ...] = ()
 
     @property
     def seed(self) -> int:
@@ -47,8 +50,11 @@ class RunSpec:
 
     def fingerprint(self) -> str:
         """Hash of the settings that determine the run's numbers (a checkpoint must match it to resume)."""
-        blob = json.dumps([CHECKPOINT_FORMAT, self.identity, self.federation, self.optimizer, self.evaluation, self.final_window,
-                           self.method_params], sort_keys=True, default=str)
+        settings = [CHECKPOINT_FORMAT, self.identity, self.federation, self.optimizer, self.evaluation,
+                    self.final_window, self.method_params]
+        if self.augment:  # only when set: the checkpoints of runs without one keep their fingerprint
+            settings.append(list(self.augment))
+        blob = json.dumps(settings, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()
 
     def evaluated(self, round_idx: int) -> bool:
@@ -151,9 +157,12 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
     # and torch raises; PFLlib's loaders drop_last); frozen or BatchNorm-free models see every sample
     single_ok = [not trains_batchnorm(method.model_for(c)) for c in range(num_clients)]
 
+    base = tuple(spec.augment)
+    augment = tuple(client.augment) if client.raw_batches else base + tuple(client.augment)
+
     def data_of(c: int, r: int, stream: int = 0) -> ClientData:
-        return _client_data(c, r, spec.seed, client_train[c], train, pipeline, settings, client.augment, stream,
-                            min_batch=1 if single_ok[c] else 2)
+        return _client_data(c, r, spec.seed, client_train[c], train, pipeline, settings, augment, stream,
+                            min_batch=1 if single_ok[c] else 2, base_augment=base if client.raw_batches else ())
 
     state = ckpt.load()
     if state is None:
@@ -254,13 +263,13 @@ def _stat_rows(r: int, results: list[FitResult]) -> list[tuple[int, int, str, st
 
 def _client_data(c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSplit, pipeline: InputPipeline,
                  settings: TrainSettings, augment: tuple[str, ...] = (), stream: int = 0,
-                 min_batch: int = 1) -> ClientData:
-    """Client c's data in round r, its batch order drawn from a generator keyed by (seed, r, c, stream); a last
-    batch smaller than ``min_batch`` is skipped."""
+                 min_batch: int = 1, base_augment: tuple[str, ...] = ()) -> ClientData:
+    """Client c's data in round r, its batch order (and ``augment``) drawn from a generator keyed by (seed, r, c,
+    stream); a last batch smaller than ``min_batch`` is skipped; ``base_augment``: names the client applies itself."""
     gen = torch.Generator(device="cpu").manual_seed(stream_seed(seed, r, c, stream))
     return ClientData(c, len(idx), lambda: iterate_batches(train, idx, settings.batch_size, pipeline, gen, augment,
                                                            min_batch), gen, settings,
-                      lambda x, name: pipeline.augment(x, name, gen))
+                      lambda x, name: pipeline.augment(x, name, gen), base_augment)
 
 
 def trains_batchnorm(model: torch.nn.Module) -> bool:

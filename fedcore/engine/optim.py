@@ -33,6 +33,9 @@ class ClientData:
     # the run's augmentation ``name`` of a model-ready batch, drawing from ``generator`` (views a method makes
     # itself, e.g. FedPFT's two MoCo views; fedcore.engine.data.InputPipeline.augment); None outside a run
     augment: Callable[[Tensor, str], Tensor] | None = None
+    # the experiment's base augmentation (names, in order) that a ``Client.raw_batches`` client applies itself to
+    # the un-augmented batches it gets (FedPFT: to its CE view, not to the images its MoCo views are made from)
+    base_augment: tuple[str, ...] = ()
 
 
 def autocast_for(x: Tensor) -> torch.autocast:

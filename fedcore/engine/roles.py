@@ -160,6 +160,9 @@ class Client(Role):
     keep_optimizer: ClassVar[bool] = False
     #: on-device augmentations of training batches (fedcore.engine.data.AUGMENTATIONS), seeded per client/round
     augment: ClassVar[tuple[str, ...]] = ()
+    #: the client gets un-augmented batches and applies the experiment's base augmentation (``ClientData.
+    #: base_augment``) itself where it wants it (FedPFT: its CE view; its MoCo views start from the raw images)
+    raw_batches: ClassVar[bool] = False
     #: the engine logs every stat of ``FitResult.stats`` (not only ``loss``), as its mean over the round's clients
     log_stats: ClassVar[bool] = False
 

@@ -17,7 +17,8 @@ sum L_CE + L_Con (no weights, §1.5):
 * task phase trains φ, τ, h_κ, p_ρ (p_κ and h_ρ frozen); φ is run without gradient in the contrastive branch, so
   it learns from L_CE only; τ takes L_Con's gradient too (Eq. 6 literally, §8 A4; ``tau_con_grad_task: false``:
   only p_ρ learns from L_Con here).
-L_CE reads the base view (``base_augment``, spec §2's per-dataset transform; §8 A5), L_Con two MoCo v1 views
+L_CE reads the base view (the experiment's ``augment``, spec §2's per-dataset transform, the same for every method
+of the experiment: §8 A5, A21; the client takes raw batches and applies it to this view only), L_Con two MoCo v1 views
 (``moco_augment``) of the same batch (§1.5): q = norm(h_ρ(τ([φ(x'), p_ρ])_0)), k = norm(h̃_ρ(τ([φ̃(x''), p_ρ])_0))
 with the same τ and p_ρ under no gradient; MoCo's order per step: momentum update of the key encoder, key, loss,
 optimiser step, enqueue (in both phases, §8 A3).
@@ -44,7 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fedcore.constraints import Choice, Constraint, Flag, Int, Number, RunFacts, Violation
+from fedcore.constraints import Choice, Flag, Int, Number
 from fedcore.engine.data import AUGMENTATIONS, PIXEL_AUGMENTATIONS
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer, only_training
 from fedcore.engine.roles import (Client, FitResult, Method, Payload, RoundInfo, Strategy, load_state,
@@ -54,17 +55,6 @@ from fedcore.methods.base import INITS, PersonalEvaluator, random_weights, raw_b
 from fedcore.methods.pft_modules import KEY_PARTS, PFTModel, enqueue, momentum_update, moco_loss
 
 AUGMENT_NAMES = tuple(sorted(AUGMENTATIONS) + sorted(PIXEL_AUGMENTATIONS))
-
-
-@dataclass(frozen=True)
-class AugmentList(Constraint):
-    """A list of augmentation names (fedcore.engine.data), applied in order."""
-
-    def violation(self, key: str, value: Any, facts: RunFacts | None) -> Violation | None:
-        """See Constraint."""
-        if isinstance(value, list) and all(v in AUGMENT_NAMES for v in value):
-            return None
-        return Violation(key, value, f"a list of augmentation names from {list(AUGMENT_NAMES)}")
 
 
 PROMPT_STREAM, QUEUE_STREAM = 0x9F7, 0x9F8  # stream_seed streams of a client's initial prompts and queue
@@ -112,6 +102,7 @@ class FedPFTClient(Client):
     """The alternating local round; uploads φ, τ, h_κ, h_ρ; keeps its prompts and MoCo state."""
 
     log_stats = True  # per-phase L_CE / L_Con means (Fig. 5)
+    raw_batches = True  # the experiment's base augmentation goes to the CE view only; MoCo views start from x
 
     def _personal(self, key: str) -> bool:
         return key in PROMPTS or (self.params["classifier"] == "personal" and key.startswith("head."))
@@ -201,12 +192,12 @@ class FedPFTClient(Client):
                moco: dict | None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """(L_CE, L_Con, the batch's MoCo keys) of one step, each None where the phase has no such part."""
         p = self.params
-        if data.augment is None and (p["base_augment"] or phase.con):
+        if data.augment is None and (data.base_augment or phase.con):
             raise ValueError("FedPFT makes its views with the run's augmentations: ClientData.augment is None")
         ce = con = key = None
         if phase.ce:
             xw = batch.x
-            for name in p["base_augment"]:
+            for name in data.base_augment:
                 xw = data.augment(xw, name)
             with torch.set_grad_enabled(phase.net_ce):  # no graph through φ: BatchNorm still updates (§8 A22)
                 f = model.net(xw)
@@ -250,7 +241,7 @@ class FedPFT(Method):
                 "tau_lr_no_con": 0.05, "contrastive": True, "alternate": True, "tau": True,
                 "tau_con_grad_task": True, "heads": 8, "tau_residual": False, "tau_norm": False,
                 "prompt_std": 0.02, "prompt_init": "per_client", "con_dim": 128, "queue_size": 65536,
-                "moco_momentum": 0.999, "temperature": 0.07, "key_encoder": "persistent", "base_augment": [],
+                "moco_momentum": 0.999, "temperature": 0.07, "key_encoder": "persistent",
                 "moco_augment": "moco_v1", "classifier": "global", "two_stage": None}
     param_rules = {"init": Choice(INITS), "n_kappa": Int(0), "n_rho": Int(0), "feature_epochs": Int(0),
                    "tau_lr": Number(0.0, lo_open=True), "tau_lr_no_con": Number(0.0, lo_open=True),
@@ -259,8 +250,7 @@ class FedPFT(Method):
                    "prompt_init": Choice(("per_client", "identical")), "con_dim": Int(1), "queue_size": Int(1),
                    "moco_momentum": Number(0.0, 1.0), "temperature": Number(0.0, lo_open=True),
                    "key_encoder": Choice(("persistent", "resync")), "classifier": Choice(("global", "personal")),
-                   "two_stage": Int(1, optional=True), "base_augment": AugmentList(),
-                   "moco_augment": Choice(AUGMENT_NAMES)}
+                   "two_stage": Int(1, optional=True), "moco_augment": Choice(AUGMENT_NAMES)}
     client_role = FedPFTClient
     strategy_role = FedPFTStrategy
     evaluator_role = PersonalEvaluator
