@@ -6,6 +6,7 @@ from pathlib import Path
 from fedcore.config import load_config
 
 configfile: "config/config.yaml"
+report: "workflow/report/workflow.rst"  # the HTML report's front text (snakemake --report results/report.html)
 
 CFG = load_config(config, workflow.basedir)  # validates everything before any job runs
 RESULTS = CFG.top["results"]
@@ -28,3 +29,4 @@ rule all:
         all_tables(),
         all_figures(),
         all_partition_summaries(),
+        all_report_pages(),

@@ -288,9 +288,11 @@ def test_render_param_table(tmp_path: Path):
            "columns": [{"method": "FedAvg", "architecture": "ResNet-18", "paper": 11_000_000, "model": {}},
                        {"method": "Ours", "architecture": "ViT-B/16", "paper": 100_000, "model": {}}]}
     out = [tmp_path / "t.md", tmp_path / "t.tex", tmp_path / "t.csv"]
-    render_table(cfg, {"counts": str(path)}, *out, {"scale": "mini"})
+    render_table(cfg, {"counts": str(path)}, *out, {"scale": "mini"}, out_html=tmp_path / "t.html")
     md = out[0].read_text(encoding="utf-8")
     assert "| Method | FedAvg | Ours |" in md and "| Architecture | ResNet-18 | ViT-B/16 |" in md
+    page = (tmp_path / "t.html").read_text(encoding="utf-8")  # the report's page shows the same table
+    assert "<strong>11.23M (11,227,812)</strong></td>" in page and ">not implemented</td>" in page
     assert "**11.23M (11,227,812)**" in md and "| not implemented |" in md
     assert "| # Parameters ↓ (paper) | 11M | 0.1M |" in md and "| Δ (M) | +0.23 | — |" in md
     assert r"$\downarrow$" in out[1].read_text(encoding="utf-8")

@@ -55,7 +55,7 @@ def _micro_sgpt_scale(doc: dict) -> None:
 
 def micro_copy(work: Path) -> Path:
     """The workflow and fedcore copied into ``work`` with the micro config (nothing run yet)."""
-    for item in ("Snakefile", "rules", "workflow", "config", "profiles", "fedcore"):
+    for item in ("Snakefile", "rules", "workflow", "config", "profiles", "fedcore", "DEVIATIONS.md"):
         src = ROOT / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
     _edit_yaml(work / "config" / "experiments" / "sgpt.yaml", _micro)
