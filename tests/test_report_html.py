@@ -105,10 +105,12 @@ def test_caption_is_literal_rst_with_the_scale(tmp_path: Path):
 
 
 def test_markdown_page_has_a_linked_table_of_contents_and_refuses_an_empty_file(tmp_path: Path):
-    (tmp_path / "d.md").write_text("# Title\n\n## Scales\n\n* **mini** is `small`\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    (tmp_path / "d.md").write_text("# Title\n\n## Scales\n\n* **mini** is `small`:\n  * nested by two spaces\n"
+                                   "  wrapped line\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
     write_markdown_page(tmp_path / "d.md", tmp_path / "d.html", "Deviations", toc=True)
     page = (tmp_path / "d.html").read_text(encoding="utf-8")
-    assert '<a href="#scales">Scales</a>' in page and '<h2 id="scales">' in page
+    assert '<a href="#scales">Scales</a>' in page and '<h2 id="scales">' in page and 'href="#title"' not in page
+    assert "<code>small</code>:<ul>\n<li>nested by two spaces" in page
     assert "<strong>mini</strong>" in page and "<code>small</code>" in page and "<td>2</td>" in page
     (tmp_path / "e.md").write_text("\n")
     with pytest.raises(ValueError, match="e.md is empty"):

@@ -24,9 +24,9 @@ CSS = """
 body { font-family: "DejaVu Sans", Helvetica, Arial, sans-serif; font-size: 13px; color: #222; margin: 12px; }
 p.caption { font-size: 14px; margin: 0 0 10px 0; max-width: 1100px; }
 table { border-collapse: collapse; margin: 6px 0 10px 0; }
-th, td { border: 1px solid #c8c8c8; padding: 3px 7px; }
+th, td { border: 1px solid #c8c8c8; padding: 2px 5px; }
 th { background: #eef1f5; font-weight: 600; text-align: center; }
-td { text-align: right; white-space: nowrap; }
+td { text-align: right; white-space: nowrap; overflow-wrap: normal; }
 td.label, th.label, td:first-child, th:first-child { text-align: left; }
 td.attr { text-align: center; }
 td.paper { color: #555; background: #fafafa; }
@@ -37,7 +37,9 @@ tbody tr:hover td { background: #fff8d8; }
 .notes p { margin: 2px 0; }
 h1 { font-size: 20px; } h2 { font-size: 17px; margin-top: 22px; } h3 { font-size: 15px; }
 code { background: #f3f3f3; padding: 0 2px; }
-.toc { font-size: 12px; columns: 2; }
+.toc { font-size: 12px; } .toc ul { margin: 2px 0; }
+li { margin: 1px 0; }
+body { overflow-wrap: anywhere; }
 """
 
 
@@ -81,15 +83,27 @@ def inline_markdown(text: str) -> str:
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
 
 
+def _two_space_lists(text: str) -> str:
+    """Our Markdown nests lists by 2 spaces (as GitHub reads it); Python-Markdown needs 4: double every leading
+    indentation outside fenced code."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        stripped = line.lstrip(" ")
+        out.append(line if fenced else " " * (2 * (len(line) - len(stripped))) + stripped)
+    return "\n".join(out) + "\n"
+
+
 def markdown_html(text: str, toc: bool = False) -> str:
-    """Markdown (tables, code, headings with anchors) as an HTML fragment; with ``toc``, a linked table of
-    contents first."""
+    """Markdown (tables, code, lists nested by 2 spaces, headings with anchors) as an HTML fragment; with ``toc``,
+    a linked list of the second-level headings first."""
     import markdown
 
     md = markdown.Markdown(extensions=["tables", "fenced_code", "toc", "sane_lists"],
-                           extension_configs={"toc": {"toc_depth": "2-3"}})
-    body = md.convert(text)
-    return (f'<div class="toc">{md.toc}</div>\n{body}' if toc else body)
+                           extension_configs={"toc": {"toc_depth": "2-2"}})
+    body = md.convert(_two_space_lists(text))
+    return (f'<nav class="toc"><strong>Contents</strong>{md.toc}</nav>\n{body}' if toc else body)
 
 
 def write_html(path: str | os.PathLike, title: str, body: str) -> None:
