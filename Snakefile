@@ -6,6 +6,7 @@ from pathlib import Path
 from fedcore.config import load_config
 
 configfile: "config/config.yaml"
+report: "workflow/report/workflow.rst"  # the HTML report's front text (snakemake --report results/report.html)
 
 CFG = load_config(config, workflow.basedir)  # validates everything before any job runs
 RESULTS = CFG.top["results"]
@@ -31,3 +32,4 @@ rule all:
         all_figures(),
         all_partition_summaries(),
         all_claim_reports(),
+        all_report_pages(),

@@ -580,6 +580,7 @@ def _load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: 
             else:
                 _check_figure(entry, resolved.experiments, where, runnable)
                 entry["labels"] = {m: labels.get(m, m) for m in sorted(figure_methods(entry, resolved.experiments))}
+            entry["source_paper"] = paper  # its section of the HTML report (entry["paper"]: the paper's numbers)
             getattr(resolved, kind)[name] = entry
     tables = {n: resolved.tables[n] for n in report.get("tables", {})}
     figures = {n: resolved.figures[n] for n in report.get("figures", {})}

@@ -1,10 +1,68 @@
 # Results: concatenate every run's Parquet once; tables and figures are built from that table, from a
 # probe's output (rules/probes.smk) or from a partition's class counts, each declared as an input so an
 # edit of it reruns the output. The config's `kind` picks the builder (fedcore/report/render.py).
+# `snakemake --report results/report.html` gathers every output wrapped in report(...) below into one HTML
+# page: a section (category) per paper with its Tables, Figures and Runs, and the Choices and deviations.
+from fedcore.report.html_pages import paper_title, report_caption
+from fedcore.report.inventory import configured_runs, method_labels
 from fedcore.report.render import figure_input, personalized_flags, table_input
 
 # Report code every table and figure runs: an edit here rebuilds them (cheap), never a training run.
 REPORT_CODE = sorted(str(p) for p in (FEDCORE / "report").glob("*.py"))
+
+# >>> Claim checks and scorecards: the ONE place to add them to the HTML report. The rules `claims` and
+# `scorecard` (another change) write results/report/{paper}_claims.md and {paper}_scorecard.md; list each page
+# name here with its subcategory, e.g. {"claims": "Claim check", "scorecard": "Scorecard"}, and rule
+# markdown_page turns it into an HTML page in its paper's section (rule all then asks for it).
+REPORT_MARKDOWN_PAGES = {}
+
+# Every report item's caption: its config caption and scale, passed as the job's `report_caption` param.
+ITEM_CAPTION = "../workflow/report/item.rst"
+
+DEVIATIONS_MD = Path(workflow.basedir) / "DEVIATIONS.md"
+if DEVIATIONS_MD.resolve().is_relative_to(Path.cwd().resolve()):
+    DEVIATIONS_MD = DEVIATIONS_MD.resolve().relative_to(Path.cwd().resolve())
+
+
+def all_report_pages():
+    """The report's pages besides tables and figures: each paper's run inventory (and listed Markdown pages),
+    and the deviations."""
+    papers = [p for p in CFG.top["papers"] if any(x["paper"] == p for x in CFG.experiments.values())]
+    return ([f"{RESULTS}/report/{p}_runs.html" for p in papers]
+            + [f"{RESULTS}/report/{p}_{page}.html" for p in papers for page in REPORT_MARKDOWN_PAGES]
+            + [f"{RESULTS}/report/deviations.html"])
+
+
+def table_section(wildcards):
+    """A table's report category: its paper."""
+    return paper_title(CFG.tables[wildcards.name]["source_paper"])
+
+
+def figure_section(wildcards):
+    """A figure's report category: its paper."""
+    return paper_title(CFG.figures[wildcards.name]["source_paper"])
+
+
+def paper_section(wildcards):
+    """A per-paper page's report category."""
+    return paper_title(wildcards.paper)
+
+
+def table_caption(wildcards):
+    return report_caption(CFG.tables[wildcards.name]["caption"], SCALE)
+
+
+def figure_caption(wildcards):
+    return report_caption(CFG.figures[wildcards.name]["caption"], SCALE)
+
+
+def paper_table_csvs(wildcards):
+    """The CSVs of a paper's tables (the inventory lists their cells without a number)."""
+    return [f"{RESULTS}/tables/{t}.csv" for t, x in CFG.tables.items() if x["source_paper"] == wildcards.paper]
+
+
+def markdown_page_subcategory(wildcards):
+    return REPORT_MARKDOWN_PAGES[wildcards.page]
 
 
 def partition_counts_file(exp, seed):
@@ -88,7 +146,10 @@ rule table:
         md=f"{RESULTS}/tables/{{name}}.md",
         tex=f"{RESULTS}/tables/{{name}}.tex",
         csv=f"{RESULTS}/tables/{{name}}.csv",
+        html=report(f"{RESULTS}/tables/{{name}}.html", caption=ITEM_CAPTION, category=table_section,
+                    subcategory="Tables"),
     params:
+        report_caption=table_caption,
         table=lambda wc: CFG.tables[wc.name],
         experiments=CFG.report_view(),
         scale=SCALE,
@@ -103,9 +164,11 @@ rule figure:
     input:
         unpack(figure_inputs),
     output:
-        png=f"{RESULTS}/figures/{{name}}.png",
+        png=report(f"{RESULTS}/figures/{{name}}.png", caption=ITEM_CAPTION, category=figure_section,
+                   subcategory="Figures"),
         pdf=f"{RESULTS}/figures/{{name}}.pdf",
     params:
+        report_caption=figure_caption,
         figure=lambda wc: CFG.figures[wc.name],
         experiments=CFG.report_view(),
         scale=SCALE,
@@ -116,3 +179,65 @@ rule figure:
         f"{RESULTS}/logs/figure/{{name}}.log",
     script:
         "../workflow/scripts/make_figure.py"
+
+
+rule run_inventory:
+    input:
+        metrics=f"{RESULTS}/metrics.parquet",
+        tables=paper_table_csvs,
+        code=REPORT_CODE,
+    output:
+        html=report(f"{RESULTS}/report/{{paper}}_runs.html", caption=ITEM_CAPTION, category=paper_section,
+                    subcategory="Runs"),
+        csv=f"{RESULTS}/report/{{paper}}_runs.csv",
+    wildcard_constraints:
+        paper="|".join(CFG.top["papers"]),
+    params:
+        runs=lambda wc: configured_runs(CFG, wc.paper),
+        labels=lambda wc: method_labels(CFG, wc.paper),
+        scale=SCALE,
+        report_caption=lambda wc: report_caption(
+            f"{paper_title(wc.paper)}: which configured runs have metrics, which are incomplete or missing, and "
+            "which table cells have no number (and why).", SCALE),
+    log:
+        f"{RESULTS}/logs/report/{{paper}}_runs.log",
+    script:
+        "../workflow/scripts/run_inventory.py"
+
+
+rule deviations_page:
+    input:
+        md=str(DEVIATIONS_MD),
+        code=REPORT_CODE,
+    output:
+        report(f"{RESULTS}/report/deviations.html", caption=ITEM_CAPTION, category="Choices and deviations"),
+    params:
+        title="Choices, deviations and measurements",
+        toc=True,
+        report_caption=report_caption(
+            "DEVIATIONS.md: every choice where a paper is silent and every departure from a paper or its code, "
+            "with measurements.", SCALE),
+    log:
+        f"{RESULTS}/logs/report/deviations.log",
+    script:
+        "../workflow/scripts/markdown_page.py"
+
+
+rule markdown_page:
+    input:
+        md=f"{RESULTS}/report/{{paper}}_{{page}}.md",
+        code=REPORT_CODE,
+    output:
+        report(f"{RESULTS}/report/{{paper}}_{{page}}.html", caption=ITEM_CAPTION, category=paper_section,
+               subcategory=markdown_page_subcategory),
+    wildcard_constraints:
+        paper="|".join(CFG.top["papers"]),
+        page="|".join(REPORT_MARKDOWN_PAGES) or "(?!)",  # no page listed: the rule matches nothing
+    params:
+        title=lambda wc: f"{paper_title(wc.paper)}: {REPORT_MARKDOWN_PAGES[wc.page]}",
+        toc=False,
+        report_caption=lambda wc: report_caption(f"{paper_title(wc.paper)}: {REPORT_MARKDOWN_PAGES[wc.page]}.", SCALE),
+    log:
+        f"{RESULTS}/logs/report/{{paper}}_{{page}}.log",
+    script:
+        "../workflow/scripts/markdown_page.py"

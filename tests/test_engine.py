@@ -267,11 +267,11 @@ def test_clients_trained_together_equal_clients_trained_one_by_one(uneven_files,
             assert torch.allclose(sa[name], sb[name], atol=1e-5), name
 
 
-def test_evaluated_rounds_cover_every_kth_and_the_whole_report_window():
+def test_evaluated_rounds_are_the_first_every_kth_and_the_whole_report_window():
     from fedcore.engine.loop import RunSpec
 
     spec = RunSpec(identity={}, federation={"rounds": 60}, optimizer={}, evaluation={"every": 5}, final_window=10)
-    assert [r for r in range(1, 61) if spec.evaluated(r)] == list(range(5, 51, 5)) + list(range(51, 61))
+    assert [r for r in range(1, 61) if spec.evaluated(r)] == [1] + list(range(5, 51, 5)) + list(range(51, 61))
 
 
 def test_checkpoint_fingerprint_covers_method_params():
@@ -354,3 +354,23 @@ def test_domain_size_weights_count_each_domains_whole_train_set():
     assert client_weights("domain_size", split, two) == [3.0, 3.0, 4.5, 4.5]
     with pytest.raises(ValueError, match="domain partition"):
         client_weights("domain_size", split, Partition(part.train, part.test, {"scheme": "iid"}, 0))
+
+def test_evaluating_a_round_changes_no_other_number(tiny_run_files, tmp_path):
+    """Evaluation draws nothing that training sees (FedBABU fine-tunes every client at evaluation, with its own
+    seeded draws): a run that also evaluates round 2 has the same numbers in every other row as one that skips it."""
+    def run(every: int) -> pd.Series:
+        out = tmp_path / f"every{every}"
+        out.mkdir()
+        params = {**run_params(rounds=3, participation=0.5), "final_window": 1,
+                  "method_params": {"finetune_epochs": 1}}
+        params["evaluation"] = {**params["evaluation"], "every": every}
+        res = train_run(params, identity("fedbabu"), tiny_run_files["dataset"], tiny_run_files["partition"],
+                        "vit_mini", tiny_run_files["weights"], out / "m.parquet", out / "f.pt", progress=False)
+        return res.metrics.set_index(["round", "client", "split", "metric"])["value"]
+
+    def evaluated(m: pd.Series) -> list[int]:
+        return sorted(set(m[m.index.get_level_values("split") != "train"].index.get_level_values("round")))
+
+    each, sparse = run(1), run(3)
+    assert evaluated(sparse) == [1, 3] and evaluated(each) == [1, 2, 3]
+    pd.testing.assert_series_equal(each.loc[sparse.index], sparse)

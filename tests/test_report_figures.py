@@ -99,6 +99,25 @@ def test_scatter_marks_ours_pfl_and_lists_missing():
     assert any(np.allclose(c.get_offsets(), [[84.64, 73.85]]) for c in points_of(paper.axes[0]))
 
 
+def test_scatter_labels_never_overlap_and_points_on_one_spot_share_a_label():
+    """SGPT Fig. 1 at mini printed FedMix on top of FedVPT: equal points now share one label, close points get
+    labels that cover neither each other nor a marker."""
+    methods = ["head_tune", "pfedpg", "sgpt", "fedmix", "fedpr"]
+    rows = (acc_rows("head_tune", 0.850, 0.400) + acc_rows("fedmix", 0.851, 0.366) + acc_rows("fedpr", 0.851, 0.366)
+            + acc_rows("pfedpg", 0.853, 0.380) + acc_rows("sgpt", 0.744, 0.189))
+    fig = scatter_figure(frame(rows), SCATTER, experiments(methods), "mini", set(methods))
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    texts = [t for t in ax.texts if t.get_text()]
+    assert sorted(t.get_text() for t in texts) == ["FedMix, FedPR", "Head-Tune", "SGPT", "pFedPG"]
+    boxes = [t.get_window_extent() for t in texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    markers = [ax.transData.transform(c.get_offsets()[0]) for c in points_of(ax)]
+    assert not any(b.contains(*m) for b in boxes for m in markers)
+    frame_box = ax.get_window_extent()
+    assert all(frame_box.contains(b.x0, b.y0) and frame_box.contains(b.x1, b.y1) for b in boxes)
+
+
 # ----------------------------------------------------------------------------------------------
 # Fig. 3 selection counts
 # ----------------------------------------------------------------------------------------------
@@ -269,9 +288,11 @@ def test_render_param_table(tmp_path: Path):
            "columns": [{"method": "FedAvg", "architecture": "ResNet-18", "paper": 11_000_000, "model": {}},
                        {"method": "Ours", "architecture": "ViT-B/16", "paper": 100_000, "model": {}}]}
     out = [tmp_path / "t.md", tmp_path / "t.tex", tmp_path / "t.csv"]
-    render_table(cfg, {"counts": str(path)}, *out, {"scale": "mini"})
+    render_table(cfg, {"counts": str(path)}, *out, {"scale": "mini"}, out_html=tmp_path / "t.html")
     md = out[0].read_text(encoding="utf-8")
     assert "| Method | FedAvg | Ours |" in md and "| Architecture | ResNet-18 | ViT-B/16 |" in md
+    page = (tmp_path / "t.html").read_text(encoding="utf-8")  # the report's page shows the same table
+    assert "<strong>11.23M (11,227,812)</strong></td>" in page and ">not implemented</td>" in page
     assert "**11.23M (11,227,812)**" in md and "| not implemented |" in md
     assert "| # Parameters ↓ (paper) | 11M | 0.1M |" in md and "| Δ (M) | +0.23 | — |" in md
     assert r"$\downarrow$" in out[1].read_text(encoding="utf-8")

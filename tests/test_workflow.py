@@ -6,6 +6,8 @@ repository.
 """
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import shutil
@@ -55,7 +57,7 @@ def _micro_sgpt_scale(doc: dict) -> None:
 
 def micro_copy(work: Path) -> Path:
     """The workflow and fedcore copied into ``work`` with the micro config (nothing run yet)."""
-    for item in ("Snakefile", "rules", "workflow", "config", "profiles", "fedcore"):
+    for item in ("Snakefile", "rules", "workflow", "config", "profiles", "fedcore", "DEVIATIONS.md"):
         src = ROOT / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
     _edit_yaml(work / "config" / "experiments" / "sgpt.yaml", _micro)
@@ -110,6 +112,35 @@ def test_pipeline_writes_metrics_tables_figures(workspace):
     assert len(heatmaps) == 5  # s=50, s=10, five, office, domainnet analogues
     queries = list((workspace / "results" / "features").glob("vit_mini/*/cls_block*.npz"))
     assert len(queries) == 4   # label shift: last block of digits/digits_five; feature shift: block 1
+
+
+
+def _report_var(text: str, name: str) -> dict:
+    """A JSON object the Snakemake report assigns to a JavaScript variable."""
+    return json.loads(re.search(rf"^\s*var {name} = (\{{.*\}});\s*$", text, re.M).group(1))
+
+
+def test_report_holds_every_table_and_figure_under_its_paper(workspace):
+    """`snakemake --report`: one self-contained HTML file; every table and figure the config defines is an item
+    of its paper's section with a caption that names the scale, beside the run inventory and the deviations
+    (about 6 s on the micro run)."""
+    from fedcore.config import load_config
+
+    out = _snakemake(workspace, "--report", "results/report.html")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = (workspace / "results" / "report.html").read_text(encoding="utf-8")
+    categories, results = _report_var(text, "categories"), _report_var(text, "results")
+    cfg = load_config(yaml.safe_load((workspace / "config" / "config.yaml").read_text()), workspace)
+    assert sorted(categories["SGPT"]["Tables"]) == sorted(f"results/tables/{t}.html" for t in cfg.tables)
+    assert sorted(categories["SGPT"]["Figures"]) == sorted(f"results/figures/{f}.png" for f in cfg.figures)
+    assert categories["SGPT"]["Runs"] == ["results/report/sgpt_runs.html"]
+    assert [p for sub in categories["Choices and deviations"].values() for p in sub] == ["results/report/deviations.html"]
+    for name, entry in [*cfg.tables.items(), *cfg.figures.items()]:
+        item = next(r for path, r in results.items() if Path(path).stem == name)
+        assert "Scale mini" in item["caption"] and entry["caption"].split(":")[0] in item["caption"]
+    table1 = results["results/tables/sgpt_table1.html"]["data_uri"]
+    page = base64.b64decode(table1.split(",", 1)[1]).decode("utf-8")
+    assert "C100 Global s=50" in page and "paper (layout ref.)" in page and "not configured" in page
 
 
 def test_nothing_to_do_after_a_complete_run(workspace):

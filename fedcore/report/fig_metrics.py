@@ -19,7 +19,8 @@ from matplotlib.ticker import MaxNLocator
 
 from fedcore.report.figures import metric_label
 from fedcore.report.plotting import (
-    add_notes, err, has_value, mark_empty, missing_note, new_figure, run_value, set_caption,
+    add_notes, err, has_value, mark_empty, missing_note, new_figure, outside_legend, place_labels, run_value,
+    set_caption, tick_at_values,
 )
 from fedcore.report.tables import OK, cell_status, replace_experiment, run_rows
 
@@ -58,10 +59,12 @@ def scatter_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, 
                    implemented: set[str], personalized: dict[str, bool | None] | None = None) -> Figure:
     """SGPT Fig. 1: x/y metrics of each method; the highlighted method a star, PFL squares, GFL circles."""
     personalized = personalized or {}
-    fig, axes = new_figure(1, 1, panel=(6.0, 4.6))
+    fig, axes = new_figure(1, 1, panel=(7.5, 4.6))  # wide enough for the legend at the right
     ax = axes[0, 0]
     points = scatter_points(metrics, fig_cfg, experiments, scale, implemented)
     highlight = fig_cfg.get("highlight")
+    spots: list[tuple[float, float]] = []   # every marker, so that no label covers one
+    sizes: list[float] = []                 # marker diameters in points (sqrt of the area s)
     for p in points.loc[points["status"] == OK].itertuples():
         kind = personalized.get(p.method)
         if p.method == highlight:
@@ -72,7 +75,9 @@ def scatter_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, 
         if p.x_std or p.y_std:
             ax.errorbar(p.x, p.y, xerr=p.x_std, yerr=p.y_std, fmt="none", ecolor=style["color"], alpha=0.5)
         ax.scatter([p.x], [p.y], edgecolors="black", linewidths=0.5, **style)
-        ax.annotate(_label(fig_cfg, p.method), (p.x, p.y), xytext=(5, 4), textcoords="offset points", fontsize="small")
+        spots.append((p.x, p.y))
+        sizes.append(math.sqrt(style["s"]))
+    labels = [_label(fig_cfg, m) for m in points.loc[points["status"] == OK, "method"]]
     paper = fig_cfg.get("paper") or {}
     if scale == "paper" and paper:
         # at mini the paper's numbers are a layout reference only and would set the axis range
@@ -93,10 +98,15 @@ def scatter_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, 
                               label=_label(fig_cfg, highlight)))
     if scale == "paper" and paper:
         handles.append(Line2D([], [], marker="o", markerfacecolor="none", color="black", ls="none", label="paper"))
-    ax.legend(handles=handles, fontsize="small", loc="lower right")
+    outside_legend(ax, handles=handles)
     missing = [(_label(fig_cfg, p.method), p.status) for p in points.itertuples() if p.status != OK]
     add_notes(fig, missing_note("Not drawn", missing))
     set_caption(fig, fig_cfg.get("caption", ""))
+    if scale == "paper" and paper:
+        spots += [tuple(v) for v in xy]
+        sizes += [math.sqrt(50)] * len(xy)
+    # last: the spots are measured in the final layout; the paper's circles are obstacles, not labelled
+    place_labels(ax, spots, labels + [None] * (len(spots) - len(labels)), marker_pt=sizes)
     return fig
 
 
@@ -195,7 +205,7 @@ def sweep_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, di
                  implemented: set[str]) -> Figure:
     """SGPT Figs. 4/6b: one line per series over the swept setting; optional reference and best-baseline lines."""
     on_y = fig_cfg.get("param_axis", "x") == "y"
-    fig, axes = new_figure(1, 1, panel=(6.0, 4.4))
+    fig, axes = new_figure(1, 1, panel=(8.5, 4.4))  # wide enough for the legend at the right
     ax = axes[0, 0]
     points = sweep_points(metrics, fig_cfg, experiments, scale, implemented)
     # grey × at a missing setting, on the accuracy axis' lower edge
@@ -238,9 +248,11 @@ def sweep_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, di
                  else "accuracy (%)")
     ax.set_xlabel(acc_label if on_y else fig_cfg["param_label"])
     ax.set_ylabel(fig_cfg["param_label"] if on_y else acc_label)
+    # the settings are discrete: a tick at each one swept, none in between
+    tick_at_values(ax.yaxis if on_y else ax.xaxis, points["value"])
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small")
+        outside_legend(ax)
     add_notes(fig, missing_note("Missing (grey ×)", missing) + missing_note("Not drawn", no_baseline))
     set_caption(fig, fig_cfg.get("caption", ""))
     return fig

@@ -10,8 +10,10 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator, MultipleLocator
 
-from fedcore.report.plotting import add_notes, mark_empty, missing_note, new_figure, set_caption
+from fedcore.report.plotting import (add_notes, mark_empty, missing_note, new_figure, outside_legend, set_caption,
+                                     tick_at_values)
 
 OK = "ok"
 MISSING_MARK = dict(marker="x", color="tab:gray", markersize=8, linestyle="none")
@@ -86,7 +88,7 @@ def congruence_summary(values: pd.DataFrame) -> pd.DataFrame:
 
 def congruence_figure(values: pd.DataFrame, fig_cfg: dict, scale: str) -> Figure:
     """SGPT Fig. 6a: congruence score (%) against the swept setting, with the paper's point at paper scale."""
-    fig, axes = new_figure(1, 1, panel=(5.6, 4.0))
+    fig, axes = new_figure(1, 1, panel=(6.6, 4.0))  # room for the legend at the right
     ax = axes[0, 0]
     summary = congruence_summary(values)
     ok = summary.loc[summary["status"] == OK]
@@ -118,9 +120,10 @@ def congruence_figure(values: pd.DataFrame, fig_cfg: dict, scale: str) -> Figure
     ax.set_title(subtitle, fontsize="small")
     ax.set_xlabel(fig_cfg["param_label"])
     ax.set_ylabel("congruence score (%)")
+    tick_at_values(ax.xaxis, summary["value"])  # the swept settings are discrete
     ax.grid(True, alpha=0.3)
     if len(ref) or (scale == "paper" and fig_cfg.get("paper")):
-        ax.legend(fontsize="small")
+        outside_legend(ax)
     add_notes(fig, missing_note("Missing (grey ×)", missing))
     set_caption(fig, fig_cfg.get("caption", ""))
     return fig
@@ -139,7 +142,7 @@ def partition_figure(counts: pd.DataFrame, fig_cfg: dict, seed: int | None = Non
     counts = counts.loc[counts["split"] == split]
     n_classes = int(counts["class"].max()) + 1 if len(counts) else 0
     colors = _class_colors(max(n_classes, 1))
-    fig, axes = new_figure(len(groups), 1, panel=(9.0, 2.8))
+    fig, axes = new_figure(len(groups), 1, panel=(11.0, 2.8))  # room for the legends at the right
     hatches = ["", "///", "..", "xx"]
     width = 0.9 / per_panel
     missing = []
@@ -158,11 +161,13 @@ def partition_figure(counts: pd.DataFrame, fig_cfg: dict, seed: int | None = Non
                     ax.text(c + offset, n, str(c), ha="center", va="bottom", fontsize=6)
             handles.append(Patch(facecolor="white", edgecolor="black", hatch=hatches[j % len(hatches)],
                                  label=f"client {client}: {int(rows['count'].sum())} samples, {len(rows)} classes"))
-        if handles:
-            ax.legend(handles=handles, fontsize="small", loc="upper right")
+        if handles:  # right of the panel: inside it would cover bars and their class numbers
+            outside_legend(ax, handles=handles)
         else:
             mark_empty(ax, "no such clients")
-        ax.set_xlim(-1, max(n_classes, 1))
+        ax.set_xlim(-0.6, max(n_classes, 1) - 0.4)
+        # classes are integers: each one ticked when few, else integer ticks only
+        ax.xaxis.set_major_locator(MultipleLocator(1) if n_classes <= 20 else MaxNLocator(integer=True))
         ax.set_ylabel(f"{split} samples")
         ax.grid(True, axis="y", alpha=0.3)
     axes[-1, 0].set_xlabel("class")

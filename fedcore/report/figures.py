@@ -63,6 +63,16 @@ def method_colors(methods: list[str]) -> dict[str, tuple]:
     return {m: cmap(i % cmap.N) for i, m in enumerate(methods)}
 
 
+# Marker and dash per method (by position), so that curves lying on top of each other stay distinguishable.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
+DASHES = ("-", "--", "-.", ":")
+
+
+def method_style(index: int) -> dict[str, str]:
+    """Marker and line style of the index-th method."""
+    return {"marker": MARKERS[index % len(MARKERS)], "linestyle": DASHES[(index // 2) % len(DASHES)]}
+
+
 def _select_scale(metrics: pd.DataFrame, scale: str | None) -> pd.DataFrame:
     """Keep one scale; refuse to mix scales in one figure."""
     if scale is not None:
@@ -75,7 +85,8 @@ def _select_scale(metrics: pd.DataFrame, scale: str | None) -> pd.DataFrame:
 
 def draw_panel(ax, rows: pd.DataFrame, experiment: str, fig_cfg: dict, colors: dict[str, tuple],
                configured: list[str] | None = None) -> None:
-    """Draw one experiment's panel, or a visible 'no runs' note when there is nothing to plot."""
+    """Draw one experiment's panel, or a visible 'no runs' note when there is nothing to plot. Lines carry the
+    methods' display labels; the figure draws one legend for all panels."""
     ax.set_title(experiment)
     ax.set_xlabel("round")
     ax.set_ylabel(metric_label(fig_cfg))
@@ -86,18 +97,19 @@ def draw_panel(ax, rows: pd.DataFrame, experiment: str, fig_cfg: dict, colors: d
         ax.set_xticks([])
         ax.set_yticks([])
         return
+    order = list(colors)
+    labels = fig_cfg.get("labels") or {}
     for method in methods:
         stats = curve(rows.loc[rows["method"] == method], metric_factor(fig_cfg))
         n_seeds = rows.loc[rows["method"] == method, "seed"].nunique()
-        ax.plot(stats.index, stats["mean"], marker="o", markersize=3, color=colors[method],
-                label=f"{(fig_cfg.get('labels') or {}).get(method, method)} (n={n_seeds})")
+        ax.plot(stats.index, stats["mean"], markersize=4, color=colors[method], linewidth=1.3,
+                label=f"{labels.get(method, method)} (n={n_seeds})", **method_style(order.index(method)))
         band = stats["count"] > 1  # std is defined only where more than one seed was evaluated
         if band.any():
             ax.fill_between(stats.index[band], (stats["mean"] - stats["std"])[band],
                             (stats["mean"] + stats["std"])[band], color=colors[method], alpha=0.2)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
 
 
 def _configured_methods(panels: list[str], experiments: dict[str, dict] | None) -> dict[str, list[str]]:
@@ -129,6 +141,12 @@ def make_figure(metrics: pd.DataFrame, fig_cfg: dict, scale: str | None = None,
         draw_panel(ax, rows[experiment], experiment, fig_cfg, colors, configured.get(experiment))
     for ax in axes[len(panels):]:
         ax.set_visible(False)
+    handles: dict[str, object] = {}  # one entry per label over all panels, in the configured order
+    for ax in axes[:len(panels)]:
+        for line in ax.get_lines():
+            handles.setdefault(line.get_label(), line)
+    if handles:  # right of the panels: a legend inside a panel covers its curves
+        fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize="small")
     fig.suptitle(fig_cfg.get("caption", ""), fontsize="medium")
     return fig
 

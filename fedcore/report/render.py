@@ -21,6 +21,7 @@ output when it changes):
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Mapping
 
 import pandas as pd
@@ -132,33 +133,39 @@ def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.Pa
 
 
 def render_table(table_cfg: dict, inputs: Mapping[str, Any], out_md: str | os.PathLike, out_tex: str | os.PathLike,
-                 out_csv: str | os.PathLike, context: Mapping[str, Any]) -> None:
-    """Build the table from its named input and write Markdown, LaTeX and CSV atomically."""
+                 out_csv: str | os.PathLike, context: Mapping[str, Any],
+                 out_html: str | os.PathLike | None = None) -> None:
+    """Build the table from its named input and write Markdown, LaTeX and CSV atomically, and the report's HTML
+    page when ``out_html`` is given."""
     path = inputs[table_input(table_cfg)]
-    if table_cfg.get("kind") == "dataset_stats":
+    kind = table_cfg.get("kind", "metrics")
+    scale = context["scale"]
+    if kind in ("metrics", "linear_probe"):
+        from fedcore.report.tables import build_table, write_table
+
+        if kind == "linear_probe":
+            from fedcore.report.probe_table import build_probe_table, read_probe_rows
+
+            table = build_probe_table(read_probe_rows(path), table_cfg, context["experiments"], scale,
+                                      set(context["implemented"]))
+        else:
+            table = build_table(pd.read_parquet(path), table_cfg, context["experiments"], scale,
+                                set(context["implemented"]))
+        write_table(table, table_cfg, scale, out_md, out_tex, out_csv, out_html)
+        return
+    if kind == "dataset_stats":
         from fedcore.report.data_outputs import build_dataset_stats, write_dataset_stats
 
-        write_dataset_stats(build_dataset_stats(table_cfg, bundles_by_name(path)), table_cfg, context["scale"],
+        write_dataset_stats(build_dataset_stats(table_cfg, bundles_by_name(path)), table_cfg, scale,
                             out_md, out_tex, out_csv)
-        return
-    if table_cfg.get("kind", "metrics") == "param_count":
+    else:
         from fedcore.report.param_table import build_param_table, write_param_table
 
         write_param_table(build_param_table(pd.read_csv(path), table_cfg), table_cfg, out_md, out_tex, out_csv)
-        return
-    from fedcore.report.tables import build_table, write_table
+    if out_html is not None:  # these layouts are not ours-beside-paper columns: the page shows the Markdown
+        from fedcore.report.html_pages import write_markdown_table_html
 
-    scale = context["scale"]
-    if table_cfg.get("kind") == "linear_probe":
-        from fedcore.report.probe_table import build_probe_table, read_probe_rows
-
-        table = build_probe_table(read_probe_rows(path), table_cfg, context["experiments"], scale,
-                                  set(context["implemented"]))
-        write_table(table, table_cfg, scale, out_md, out_tex, out_csv)
-        return
-    table = build_table(pd.read_parquet(path), table_cfg, context["experiments"], scale,
-                        set(context["implemented"]))
-    write_table(table, table_cfg, scale, out_md, out_tex, out_csv)
+        write_markdown_table_html(Path(out_md).read_text(encoding="utf-8"), out_html, table_cfg["caption"])
 
 
 def personalized_flags(methods: list[str], base_method) -> dict[str, bool | None]:

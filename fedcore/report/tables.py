@@ -584,20 +584,57 @@ def render_latex(table: pd.DataFrame, table_cfg: dict, scale: str, label: str | 
     return "\n".join(lines) + "\n"
 
 
+def render_html(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
+    """An HTML fragment: caption and scale note, the table with each column's ours / paper (/ Δ at paper scale)
+    side by side under the column's label, and the footnotes."""
+    import html
+
+    from fedcore.report.html_pages import inline_markdown
+
+    esc = lambda t: html.escape(str(t), quote=False)  # noqa: E731
+    subs = _subheaders(scale)
+    cols = _column_labels(table)
+    attr_cols, attr_rows = _row_attributes(table_cfg, table)
+    labels, grid = _grid(table, scale, table_cfg)
+    classes = ["ours", "paper", "diff"][:len(subs)]
+    head1 = ['<th class="label" rowspan="2">Method</th>'] + [f'<th rowspan="2">{esc(a)}</th>' for a in attr_cols]
+    head1 += [f'<th colspan="{len(subs)}">{esc(c)}</th>' for c in cols]
+    head2 = [f"<th>{esc(sub)}</th>" for _ in cols for sub in subs]
+    body = []
+    for label, attrs, entries in zip(labels, attr_rows, grid):
+        cells = [f'<td class="label">{esc(label)}</td>'] + [f'<td class="attr">{esc(a)}</td>' for a in attrs]
+        for i, (text, bold) in enumerate(entries):
+            cls = classes[i % len(subs)]
+            if cls == "ours" and text in STATUS_NOTES:  # no number: the reason, in red
+                cls += " missing"
+            inner = f"<strong>{esc(text)}</strong>" if bold else esc(text)
+            cells.append(f'<td class="{cls}">{inner}</td>')
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    caption = f"<strong>{esc(table_cfg.get('caption', ''))}</strong> {esc(scale_note(scale, _percent_only(table)))}"
+    notes = "".join(f"<p>{inline_markdown(n)}</p>" for n in footnotes(table, scale, table_cfg))
+    return (f'<p class="caption">{caption}</p>\n<table>\n<thead>\n<tr>{"".join(head1)}</tr>\n<tr>{"".join(head2)}</tr>\n'
+            f'</thead>\n<tbody>\n' + "\n".join(body) + f'\n</tbody>\n</table>\n<div class="notes">{notes}</div>')
+
+
 def render_csv(table: pd.DataFrame) -> str:
     """The long-form cell table as CSV (documented in the module docstring)."""
     return table.to_csv(index=False, float_format="%.6g", lineterminator="\n")
 
 
 def write_table(table: pd.DataFrame, table_cfg: dict, scale: str, out_md: str | os.PathLike,
-                out_tex: str | os.PathLike, out_csv: str | os.PathLike) -> None:
-    """Write the table as Markdown, LaTeX and CSV; all three are rendered before any is written."""
+                out_tex: str | os.PathLike, out_csv: str | os.PathLike, out_html: str | os.PathLike | None = None) -> None:
+    """Write the table as Markdown, LaTeX, CSV (and an HTML page for the report); all are rendered before any
+    is written."""
     texts = {
         Path(out_md): render_markdown(table, table_cfg, scale),
         Path(out_tex): render_latex(table, table_cfg, scale, label=Path(out_tex).stem),
         Path(out_csv): render_csv(table),
     }
-    # Rename all three only if every write succeeded, so the outputs never disagree with each other.
+    if out_html is not None:
+        from fedcore.report.html_pages import page
+
+        texts[Path(out_html)] = page(table_cfg.get("caption", Path(out_html).stem), render_html(table, table_cfg, scale))
+    # Rename them only if every write succeeded, so the outputs never disagree with each other.
     with contextlib.ExitStack() as stack:
         tmps = {path: stack.enter_context(atomic_path(path)) for path in texts}
         for path, text in texts.items():

@@ -10,4 +10,5 @@ from fedcore.report.render import render_table  # noqa: E402
 _log.setup(snakemake)
 p = snakemake.params
 render_table(p.table, dict(snakemake.input.items()), snakemake.output.md, snakemake.output.tex,
-             snakemake.output.csv, {"scale": p.scale, "experiments": p.experiments, "implemented": p.implemented})
+             snakemake.output.csv, {"scale": p.scale, "experiments": p.experiments, "implemented": p.implemented},
+             out_html=snakemake.output.html)

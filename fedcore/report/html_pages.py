@@ -1,0 +1,126 @@
+"""HTML for Snakemake's report (`snakemake --report results/report.html`): standalone pages for the tables, the
+run inventory and DEVIATIONS.md, and the caption each report item carries (what it shows, at which scale).
+
+Each page is self-contained (inline CSS, no scripts, no external files): the report embeds it as it is.
+"""
+from __future__ import annotations
+
+import html
+import os
+import re
+from pathlib import Path
+
+from fedcore.io import atomic_path
+
+PAPER_TITLES = {"sgpt": "SGPT", "fedhpl": "FedHPL", "fedotp": "FedOTP", "fedpft": "FedPFT"}
+
+SCALE_CAPTIONS = {
+    "mini": ("Scale mini: embedded analogue data and tiny pretrained backbones on CPU; the numbers check the "
+             "pipeline end to end and are not comparable to the paper's (its numbers are a layout reference only)."),
+    "paper": "Scale paper: the paper's datasets, backbones and budgets; where a table shows Δ, Δ = ours − paper.",
+}
+
+CSS = """
+body { font-family: "DejaVu Sans", Helvetica, Arial, sans-serif; font-size: 13px; color: #222; margin: 12px; }
+p.caption { font-size: 14px; margin: 0 0 10px 0; max-width: 1100px; }
+table { border-collapse: collapse; margin: 6px 0 10px 0; }
+th, td { border: 1px solid #c8c8c8; padding: 2px 5px; }
+th { background: #eef1f5; font-weight: 600; text-align: center; }
+td { text-align: right; white-space: nowrap; overflow-wrap: normal; }
+td.label, th.label, td:first-child, th:first-child { text-align: left; }
+td.attr { text-align: center; }
+td.paper { color: #555; background: #fafafa; }
+td.diff { color: #444; font-style: italic; }
+td.missing { color: #b00; }
+tbody tr:hover td { background: #fff8d8; }
+.notes { font-size: 12px; color: #444; max-width: 1100px; }
+.notes p { margin: 2px 0; }
+h1 { font-size: 20px; } h2 { font-size: 17px; margin-top: 22px; } h3 { font-size: 15px; }
+code { background: #f3f3f3; padding: 0 2px; }
+.toc { font-size: 12px; } .toc ul { margin: 2px 0; }
+li { margin: 1px 0; }
+body { overflow-wrap: anywhere; }
+"""
+
+
+def page(title: str, body: str) -> str:
+    """A complete, self-contained HTML document."""
+    return (f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>{html.escape(title)}</title>\n"
+            f"<style>{CSS}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n")
+
+
+def paper_title(paper: str) -> str:
+    """The display name of a paper (its report category)."""
+    return PAPER_TITLES.get(paper, paper)
+
+
+def scale_caption(scale: str) -> str:
+    """The sentence that says at which scale an output was made and how to read it."""
+    if scale not in SCALE_CAPTIONS:
+        raise ValueError(f"unknown scale {scale!r}; expected one of {sorted(SCALE_CAPTIONS)}")
+    return SCALE_CAPTIONS[scale]
+
+
+_RST_SPECIAL = re.compile(r"([\\`*_|\[\]<>])")
+
+
+def rst_escape(text: str) -> str:
+    """Plain text that reStructuredText prints literally (no emphasis, roles, links or substitutions)."""
+    return _RST_SPECIAL.sub(r"\\\1", " ".join(str(text).split()))
+
+
+def report_caption(caption: str, scale: str, what: str = "") -> str:
+    """A report item's caption as reStructuredText: the config's caption, what the item is (if given), and the
+    scale sentence."""
+    parts = [caption.strip(), what.strip(), scale_caption(scale)]
+    return rst_escape(" ".join(p for p in parts if p))
+
+
+def inline_markdown(text: str) -> str:
+    """Escaped text with Markdown's **bold** and `code` kept."""
+    out = html.escape(text, quote=False)
+    out = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", out)
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
+
+
+def _two_space_lists(text: str) -> str:
+    """Our Markdown nests lists by 2 spaces (as GitHub reads it); Python-Markdown needs 4: double every leading
+    indentation outside fenced code."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        stripped = line.lstrip(" ")
+        out.append(line if fenced else " " * (2 * (len(line) - len(stripped))) + stripped)
+    return "\n".join(out) + "\n"
+
+
+def markdown_html(text: str, toc: bool = False) -> str:
+    """Markdown (tables, code, lists nested by 2 spaces, headings with anchors) as an HTML fragment; with ``toc``,
+    a linked list of the second-level headings first."""
+    import markdown
+
+    md = markdown.Markdown(extensions=["tables", "fenced_code", "toc", "sane_lists"],
+                           extension_configs={"toc": {"toc_depth": "2-2"}})
+    body = md.convert(_two_space_lists(text))
+    return (f'<nav class="toc"><strong>Contents</strong>{md.toc}</nav>\n{body}' if toc else body)
+
+
+def write_html(path: str | os.PathLike, title: str, body: str) -> None:
+    """Write a page atomically."""
+    with atomic_path(Path(path)) as tmp:
+        Path(tmp).write_text(page(title, body), encoding="utf-8")
+
+
+def write_markdown_table_html(md_text: str, path: str | os.PathLike, title: str) -> None:
+    """A table page from the Markdown the table's writer produced (caption, pipe table, notes): for the kinds
+    whose layout is not ours-beside-paper columns (parameter counts, dataset statistics)."""
+    write_html(path, title, markdown_html(md_text))
+
+
+def write_markdown_page(md_path: str | os.PathLike, out: str | os.PathLike, title: str, toc: bool = False) -> None:
+    """A Markdown file (DEVIATIONS.md with a linked table of contents; a claim check; a scorecard) as one page."""
+    text = Path(md_path).read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"{md_path} is empty; expected Markdown text for the report page {title!r}")
+    write_html(out, title, markdown_html(text, toc=toc))

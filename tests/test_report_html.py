@@ -1,0 +1,118 @@
+"""The HTML report's pages: a table page (ours beside the paper's, Δ at paper scale), the run inventory, a
+Markdown page, and the captions Snakemake's report renders as reStructuredText."""
+from __future__ import annotations
+
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from docutils.core import publish_parts
+
+from fedcore.report.html_pages import report_caption, write_markdown_page
+from fedcore.report.inventory import INCOMPLETE, MISSING, PRESENT, build_inventory, empty_cells, write_inventory
+from fedcore.report.tables import MINI_NOTE, build_table, write_table
+from test_report import EXPERIMENTS, IMPLEMENTED, TABLE_CFG, run_frame, sample_metrics
+
+
+class Cells(HTMLParser):
+    """Rows of the first table as lists of (tag, text, attributes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[tuple[str, str, dict]]] = []
+        self._cell = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = (tag, [], dict(attrs))
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell[1].append(data)
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append((self._cell[0], "".join(self._cell[1]).strip(), self._cell[2]))
+            self._cell = None
+
+
+def _rows(html_text: str) -> list[list[tuple[str, str, dict]]]:
+    parser = Cells()
+    parser.feed(html_text)
+    return parser.rows
+
+
+@pytest.mark.parametrize("scale", ["mini", "paper"])
+def test_table_page_puts_ours_beside_the_papers_and_the_difference_at_paper_scale(tmp_path: Path, scale):
+    table = build_table(sample_metrics(scale), TABLE_CFG, EXPERIMENTS, scale, IMPLEMENTED)
+    out = [tmp_path / "t.md", tmp_path / "t.tex", tmp_path / "t.csv", tmp_path / "t.html"]
+    write_table(table, TABLE_CFG, scale, *out)
+    page = out[3].read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and "<style>" in page and "<script" not in page
+    rows = _rows(page)
+    subs = ["ours", "paper", "Δ"] if scale == "paper" else ["ours", "paper (layout ref.)"]
+    assert [(c[1], c[2].get("colspan")) for c in rows[0][1:3]] == [("A Global", str(len(subs))),
+                                                                 ("A Worst", str(len(subs)))]
+    assert [c[1] for c in rows[1][:len(subs)]] == subs
+    body = {r[0][1]: r for r in rows[2:]}
+    assert list(body) == ["fedavg", "head_tune", "fedvpt", "local", "sgpt"]
+    fedavg = [c[1] for c in body["fedavg"][1:1 + len(subs)]]
+    assert fedavg[0] == "72.00 ± 2.00" and fedavg[1] == "80.00"
+    if scale == "paper":
+        assert fedavg[2] == "-8.00" and MINI_NOTE not in page
+    else:
+        assert MINI_NOTE in page
+    sgpt = body["sgpt"][1]
+    assert sgpt[1] == "not implemented" and "missing" in sgpt[2]["class"]
+    # every number of the Markdown table is on the page
+    md_numbers = {c.strip().strip("*") for line in out[0].read_text().splitlines()
+                  if line.startswith("| ") and not line.startswith("| Method") for c in line.split("|")[2:-1]}
+    assert md_numbers <= {c[1] for r in rows[2:] for c in r[1:]}
+
+
+def test_inventory_tells_present_incomplete_and_missing_runs_and_empty_cells(tmp_path: Path):
+    metrics = pd.concat([run_frame("exp_a", "fedavg", 0, {1: 0.5, 5: 0.6, 6: 0.7}),
+                         run_frame("exp_a", "local", 0, {1: 0.5, 2: 0.6}),
+                         run_frame("exp_a", "fedavg", 0, {1: 0.5, 6: 0.7}, scale="paper")], ignore_index=True)
+    runs = [{"experiment": "exp_a", "method": m, "seed": 0, "rounds": 6} for m in ("fedavg", "local", "head_tune")]
+    inv = build_inventory(metrics, runs, "mini").set_index("method")
+    assert inv["status"].to_dict() == {"fedavg": PRESENT, "local": INCOMPLETE, "head_tune": MISSING}
+    assert inv.loc["fedavg", "evaluated_rounds"] == 3 and inv.loc["local", "last_round"] == 2
+    assert pd.isna(inv.loc["head_tune", "last_round"]) and inv.loc["head_tune", "evaluated_rounds"] == 0
+    table = build_table(sample_metrics(), TABLE_CFG, EXPERIMENTS, "mini", IMPLEMENTED)
+    table.to_csv(tmp_path / "t1.csv", index=False)
+    cells = empty_cells({"t1": tmp_path / "t1.csv"})
+    assert ("t1", "sgpt", "A Global", "not implemented") in set(cells.itertuples(index=False, name=None))
+    metrics.to_parquet(tmp_path / "m.parquet")
+    write_inventory(tmp_path / "m.parquet", runs, {"t1": tmp_path / "t1.csv"}, "sgpt", "mini", tmp_path / "r.html",
+                    tmp_path / "r.csv", {"fedavg": "FedAvg"})
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "3 configured runs: 1 present, 1 incomplete" in page and "1 missing" in page
+    assert "FedAvg <code>fedavg</code>" in page and "incomplete: 2/6 rounds, 2 evaluated" in page
+    assert pd.read_csv(tmp_path / "r.csv")["status"].tolist() == [PRESENT, INCOMPLETE, MISSING]
+
+
+def test_caption_is_literal_rst_with_the_scale(tmp_path: Path):
+    text = "Fig. *1*: `α_g` | s=10, [ref]_ <b>"
+    html = publish_parts(report_caption(text, "mini"), writer="html")["body"]
+    assert "Fig. *1*: `α_g` | s=10, [ref]_ &lt;b&gt;" in html and "Scale mini:" in html
+    assert "<em>" not in html and "<a " not in html and "problematic" not in html
+    with pytest.raises(ValueError, match="huge"):
+        report_caption(text, "huge")
+
+
+def test_markdown_page_has_a_linked_table_of_contents_and_refuses_an_empty_file(tmp_path: Path):
+    (tmp_path / "d.md").write_text("# Title\n\n## Scales\n\n* **mini** is `small`:\n  * nested by two spaces\n"
+                                   "  wrapped line\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    write_markdown_page(tmp_path / "d.md", tmp_path / "d.html", "Deviations", toc=True)
+    page = (tmp_path / "d.html").read_text(encoding="utf-8")
+    assert '<a href="#scales">Scales</a>' in page and '<h2 id="scales">' in page and 'href="#title"' not in page
+    assert "<code>small</code>:<ul>\n<li>nested by two spaces" in page
+    assert "<strong>mini</strong>" in page and "<code>small</code>" in page and "<td>2</td>" in page
+    (tmp_path / "e.md").write_text("\n")
+    with pytest.raises(ValueError, match="e.md is empty"):
+        write_markdown_page(tmp_path / "e.md", tmp_path / "e.html", "Empty")
+    assert not (tmp_path / "e.html").exists()
