@@ -14,7 +14,7 @@ REPORT_CODE = sorted(str(p) for p in (FEDCORE / "report").glob("*.py"))
 # `scorecard` (another change) write results/report/{paper}_claims.md and {paper}_scorecard.md; list each page
 # name here with its subcategory, e.g. {"claims": "Claim check", "scorecard": "Scorecard"}, and rule
 # markdown_page turns it into an HTML page in its paper's section (rule all then asks for it).
-REPORT_MARKDOWN_PAGES = {}
+REPORT_MARKDOWN_PAGES = {"claims": "Claim check", "scorecard": "Scorecard"}
 
 # Every report item's caption: its config caption and scale, passed as the job's `report_caption` param.
 ITEM_CAPTION = "../workflow/report/item.rst"
