@@ -28,6 +28,18 @@ L_Con, §2 [S]); n_κ 10, n_ρ 20, (R_f, R_a) = (3, 2) at Dirichlet α = 0.1 els
 ``queue_size`` 65536, m 0.999, β 0.07, linear head (MoCo v1 defaults, §1.5 [R]); τ: 8 heads, no residual, no norm
 (§8 A1 [R]); prompts N(0, 0.02²) per client from the run seed (§8 A2 [R]; ``prompt_init: identical``).
 
+Clients trained together (spec §7's compute note; ``client_batching``): :meth:`FedPFTClient.fit_together` runs a
+round's clients in one vmapped pass per step (fedcore/engine/together.py's phases): the same phases, optimiser
+(τ's lr as a per-tensor lr), routing and MoCo order; per client on the client axis: φ, τ, heads, prompts, BatchNorm
+statistics, the key encoder (EMA in place under vmap, its own BatchNorm statistics) and the queue + pointer (the
+enqueue as a function, :func:`pft_modules.enqueued`). Each client's views come from its own generator in the
+order of the one-by-one loop (an epoch's shuffle, then per batch the base view's, query's and key's draws), then
+one batched warp for all the group's images: the same random numbers, so the same client states up to float
+reassociation (float64: 1e-9). ``auto`` (default): together on CUDA, one by one on the CPU, where the vmapped
+convolutions cost more than the dispatch they save (benchmarks/bench_fedpft.py); ``batched`` / ``one_by_one`` force
+one, and ``batched`` raises where it cannot run. τ runs in fp32 in both paths (autocast off: vmapped attention's
+backward fails in bf16 on CUDA).
+
 Variants (§1.11, Table 3): ``contrastive: false`` (w/o L_Con = Setting III: no h_ρ, p_ρ, MoCo; the feature phase
 trains p_κ and τ with L_CE); ``alternate: false`` (one joint phase of all epochs, every part trained by the summed
 loss: Settings II, VII, VIII); ``n_rho: 0`` (the contrastive branch is τ([φ(x')]) without prompts: IV, VII);
@@ -247,8 +259,9 @@ class FedPFTClient(Client):
             start = module_state(model, keys)
             if model.key is not None:
                 source = down["model"] if p["key_encoder"] == "resync" else st["moco"]["key"]
-                start.update({"key." + k: source[k] for k in key_keys})
-                carries.append({"queue": st["moco"]["queue"], "ptr": torch.tensor(int(st["moco"]["ptr"]))})
+                dev = st["moco"]["queue"].device  # the initial key encoder's new parts may still be on the CPU
+                start.update({"key." + k: source[k].to(dev) for k in key_keys})
+                carries.append({"queue": st["moco"]["queue"], "ptr": torch.tensor(int(st["moco"]["ptr"]), device=dev)})
             starts.append(start)
         part = lambda k: k.split(".")[0]  # noqa: E731
         kinds = {i: StepKind(tuple(k for k in trainable if part(k) in ph.train), self._together_loss(ph),
