@@ -1,24 +1,18 @@
-"""Seconds per FedPFT round at mini on the CPU (clients one after another), and where the time goes.
+"""Seconds per FedPFT round, clients one by one vs trained together (fedcore/engine/together.py's phases).
 
-    python benchmarks/bench_fedpft.py                      # resnet8_pft_mini, 8 clients x 30 images, batch 30, R = 5
-    python benchmarks/bench_fedpft.py --clients 40 --images 500 --batch 100 --arch resnet8_pft --side 32
+    python benchmarks/bench_fedpft.py                      # mini: resnet8_pft_mini, 8 clients x 30 images, batch 30
+    python benchmarks/bench_fedpft.py --clients 40 --images 500 --batch 100 --arch resnet8_pft --side 32 \
+        --queue 65536 --epochs 2 --feature-epochs 1 --rounds 1  # paper shapes, 2 of the 5 local epochs
 
-Prints sec/round for FedPFT, FedPFT w/o L_Con and FedAvg (the same clients, data and budget), after one warm-up
-round (torch's first optimiser step imports ~5 s of modules once per process).
+Prints sec/round for FedPFT (one by one, together), FedPFT w/o L_Con (both) and FedAvg (the engine's default
+update, one by one): the same clients, data and budget, after a warm-up round of two clients (torch's first
+optimiser step imports ~5 s of modules once per process). ``--epochs`` below the paper's 5 measures part of a
+round; the figure printed is per round of those epochs (multiply by 5 / epochs for a full round: every step of a
+phase costs the same). CUDA when present (synchronised around each round).
 
-A batched path over the 40 clients (torch.func.functional_call + vmap, as fedcore/engine/together.py does for
-the default update) would need from the engine:
-* a client update made of several phases with different trainable sets and one optimiser per round: together.py
-  knows one loss over one trainable set; it would take a list of (trainable keys, epochs, loss) phases;
-* per-client method-owned tensors stacked along the client axis and threaded through the step (the MoCo queue
-  and pointer, the key encoder's parameters and BatchNorm buffers), with the EMA and the enqueue as functional
-  updates (the enqueue's write position differs per client only after unequal batch counts);
-* per-client augmentation generators: every client's views drawn from its own generator, then stacked (the
-  draws are cheap; the warps are one batched grid_sample over clients x batch);
-* BatchNorm in train mode under vmap (functional running statistics per client: torch.func.replace_all_batch_norm_
-  modules_ or buffers passed in and returned), for φ and the key encoder;
-* gradients only where each branch routes them: torch.no_grad branches become stop-gradients inside the vmapped
-  function (detach), which vmap supports.
+Measured (CPU, one thread, shared 2-core machine: load average 12-14 from other jobs during the runs, so the
+absolute figures are ~3-5x a quiet machine's and only the ratios within one run compare):
+FIGURES
 """
 from __future__ import annotations
 
@@ -38,61 +32,93 @@ from fedcore.engine.roles import RoundInfo  # noqa: E402
 from fedcore.methods import method_class  # noqa: E402
 
 
-def _clients(n: int, images: int, batch: int, side: int, pipe: InputPipeline) -> list[ClientData]:
+def _clients(n: int, images: int, batch: int, side: int, pipe: InputPipeline, device: torch.device
+             ) -> list[ClientData]:
     """Random images per client, batches in a fixed order, views drawn from each client's generator."""
     out = []
     for c in range(n):
         g = torch.Generator().manual_seed(c)
-        x = pipe(torch.randint(0, 256, (images, side, side, 3), generator=g, dtype=torch.uint8))
-        y = torch.randint(0, 10, (images,), generator=g)
+        x = pipe(torch.randint(0, 256, (images, side, side, 3), generator=g, dtype=torch.uint8).to(device))
+        y = torch.randint(0, 10, (images,), generator=g).to(device)
         gen = torch.Generator().manual_seed(100 + c)
         batches = (lambda x=x, y=y: (Batch(x[i:i + batch], y[i:i + batch], torch.arange(i, i + batch), {})
                                      for i in range(0, len(y), batch)))
-        out.append(ClientData(c, images, batches, gen, None, lambda t, name, gen=gen: pipe.augment(t, name, gen)))
+        out.append(ClientData(c, images, batches, gen, None, lambda t, name, gen=gen: pipe.augment(t, name, gen),
+                              pipeline=pipe))
     return out
 
 
-def sec_per_round(name: str, params: dict, args: argparse.Namespace) -> float:
+def _round(method, server, states: dict, datas: list[ClientData], settings: TrainSettings, together: bool,
+           r: int) -> dict:
+    """One round of ``datas``' clients (fit one by one, or fit_together), then the aggregation."""
+    downs = [method.strategy.configure(server, d.cid) for d in datas]
+    if together:
+        outs = method.client.fit_together([states[d.cid] for d in datas], downs, datas, settings)
+    else:
+        outs = []
+        for d, down in zip(datas, downs):
+            method.model_for(d.cid).train()
+            outs.append(method.client.fit(d.cid, states[d.cid], down, d, settings))
+    for d, (st, _) in zip(datas, outs):
+        states[d.cid] = st
+    return method.strategy.aggregate(RoundInfo(r, len(states), 1.0, 0), server, [res for _, res in outs])
+
+
+def sec_per_round(name: str, params: dict, together: bool, args: argparse.Namespace, device: torch.device) -> float:
     """Mean seconds of a round (every client's fit, then the aggregation) over ``args.rounds`` after a warm-up."""
     torch.manual_seed(0)
-    method = method_class(name)(prompt_adapter(build_backbone(args.arch)), 10, params)
+    method = method_class(name)(prompt_adapter(build_backbone(args.arch)).to(device), 10, params)
+    method.models[0].to(device)  # as fedcore/train.py does
     pipe = InputPipeline(args.side, (0.5,) * 3, (0.5,) * 3)
-    datas = _clients(args.clients, args.images, args.batch, args.side, pipe)
-    settings = TrainSettings(5, args.batch, {"name": "sgd", "lr": 0.1, "momentum": 0.9})
+    datas = _clients(args.clients, args.images, args.batch, args.side, pipe, device)
+    settings = TrainSettings(args.epochs, args.batch, {"name": "sgd", "lr": 0.1, "momentum": 0.9})
     server = method.strategy.init_state(args.clients)
     states = {c: method.client.init_state(c) for c in range(args.clients)}
+    server = _round(method, server, states, datas[:2], settings, together, 0)  # warm-up
     times = []
-    for r in range(args.rounds + 1):
+    for r in range(args.rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        results = []
-        for d in datas:
-            method.model_for(d.cid).train()
-            states[d.cid], res = method.client.fit(d.cid, states[d.cid], method.strategy.configure(server, d.cid), d,
-                                                   settings)
-            results.append(res)
-        server = method.strategy.aggregate(RoundInfo(r + 1, args.clients, 1.0, 0), server, results)
+        server = _round(method, server, states, datas, settings, together, r + 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return sum(times[1:]) / args.rounds
+    return sum(times) / args.rounds
 
 
 def main() -> None:
-    """Parse arguments, time the three methods."""
+    """Parse arguments, time the methods both ways."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="resnet8_pft_mini")
     ap.add_argument("--side", type=int, default=16)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--images", type=int, default=30)
     ap.add_argument("--batch", type=int, default=30)
+    ap.add_argument("--epochs", type=int, default=5, help="local epochs R (the paper's 5)")
+    ap.add_argument("--feature-epochs", type=int, default=4, help="R_f")
+    ap.add_argument("--queue", type=int, default=64, help="MoCo queue size K (mini: 64; the paper's 65536)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", choices=("fedpft", "without_con", "fedavg"), nargs="*", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    for label, name, params in (("FedPFT", "fedpft", {"queue_size": 64, "feature_epochs": 4}),
-                                ("FedPFT w/o L_Con", "fedpft", {"contrastive": False, "feature_epochs": 4}),
-                                ("FedAvg", "fedavg", {})):
-        s = sec_per_round(name, params, args)
-        steps = args.clients * 5 * -(-args.images // args.batch)
-        print(f"{label:18s} {s:7.2f} s/round  ({1000 * s / steps:.1f} ms/step, {steps} steps a round)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pft = {"queue_size": args.queue, "feature_epochs": args.feature_epochs}
+    steps = args.clients * args.epochs * -(-args.images // args.batch)
+    print(f"{device}, {args.threads} thread(s), {args.clients} clients x {args.images} images, batch {args.batch}, "
+          f"{args.arch} at {args.side} px, R = {args.epochs}: {steps} client steps a round")
+    for key, label, name, params, modes in (
+            ("fedpft", "FedPFT", "fedpft", pft, (False, True)),
+            ("without_con", "FedPFT w/o L_Con", "fedpft", {**pft, "contrastive": False}, (False, True)),
+            ("fedavg", "FedAvg", "fedavg", {}, (False,))):
+        if args.only is not None and key not in args.only:
+            continue
+        secs = {mode: sec_per_round(name, params, mode, args, device) for mode in modes}
+        line = "  ".join(f"{'together' if m else 'one by one'} {s:8.2f} s/round ({1000 * s / steps:6.1f} ms/step)"
+                         for m, s in secs.items())
+        ratio = f"  together/one-by-one speed-up {secs[False] / secs[True]:.2f}x" if True in secs else ""
+        print(f"{label:18s} {line}{ratio}", flush=True)
 
 
 if __name__ == "__main__":

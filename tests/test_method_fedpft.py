@@ -267,3 +267,86 @@ def test_the_base_augmentation_reaches_the_ce_view_only_and_moco_views_start_fro
     method.client.losses(model, feature, next(data.batches()), data, moco)
     assert type(method.client).raw_batches
     assert calls == [("crop_flip", True), ("rotate15", False), ("moco_v1", True), ("moco_v1", True)]
+class _Pipe64(InputPipeline):
+    """PIPE in float64: the batched and the one-by-one round are compared without fp32 rounding, which the
+    training's chaos (lr 0.1, batches of 4 through BatchNorm) amplifies to ~5e-5 relative in a few steps."""
+
+    def __call__(self, x_uint8):
+        return super().__call__(x_uint8).double()
+
+
+def _client_data(cid: int, n: int, seed: int, pipe: InputPipeline = PIPE, base: tuple[str, ...] = ()) -> ClientData:
+    """Client ``cid``'s ``n`` images (a short last batch when n % 8), views drawn from its own generator, the
+    pipeline given as the engine gives it."""
+    g = torch.Generator().manual_seed(seed)
+    x = pipe(torch.randint(0, 256, (n, 16, 16, 3), generator=g, dtype=torch.uint8))
+    y = torch.randint(0, 4, (n,), generator=g)
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def batches():
+        order = torch.randperm(n, generator=gen)  # the shuffle draws from the same generator, as the engine's
+        return (Batch(x[order[i:i + 8]], y[order[i:i + 8]], order[i:i + 8], {}) for i in range(0, n, 8))
+
+    return ClientData(cid, n, batches, gen, SETTINGS, lambda t, name: pipe.augment(t, name, gen), base,
+                      pipeline=pipe)
+
+
+@pytest.fixture
+def float64():
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("params, base", [({}, ("crop_flip",)), ({"contrastive": False}, ())],
+                         ids=["fedpft", "without_con"])
+def test_clients_trained_together_equal_clients_trained_one_by_one(params, base, float64):
+    method = _method(**params)
+    client, sizes, pipe = method.client, (8, 12, 8), _Pipe64(16, (0.5,) * 3, (0.25,) * 3)  # 1, 2, 1 batches an
+    server = method.strategy.init_state(3)                                  # epoch: the phases change apart
+    states = [client.init_state(c) for c in range(3)]
+    for c, st in enumerate(states):
+        if "moco" in st:                                     # queues written elsewhere, pointers apart
+            st["moco"] = {**st["moco"], "ptr": 5 * c, "queue": st["moco"]["queue"].roll(c, 1)}
+    downs = [method.strategy.configure(server, c) for c in range(3)]
+    datas = [_client_data(c, n, c, pipe, base) for c, n in enumerate(sizes)]
+    together = client.fit_together(states, downs, datas, SETTINGS)
+    alone = []
+    for c, n in enumerate(sizes):
+        method.model.train()
+        alone.append(client.fit(c, states[c], downs[c], _client_data(c, n, c, pipe, base), SETTINGS))
+    close = dict(atol=1e-9, rtol=1e-9)
+    for (sa, ra), (sb, rb) in zip(together, alone, strict=True):
+        assert ra.uplink["model"]["net.conv1.weight"].dtype == torch.float64
+        for name in sb["model"]:                                    # the prompts
+            torch.testing.assert_close(sa["model"][name], sb["model"][name], **close)
+        for name, v in rb.uplink["model"].items():                  # φ with its BatchNorm statistics, τ, h_κ, h_ρ
+            torch.testing.assert_close(ra.uplink["model"][name], v, **close, msg=name)
+        assert ra.stats.keys() == rb.stats.keys() and all(abs(ra.stats[k] - rb.stats[k]) < 1e-9 for k in rb.stats)
+        assert ("moco" in sa) == ("moco" in sb) == ("contrastive" not in params)
+        if "moco" in sb:
+            assert sa["moco"]["ptr"] == sb["moco"]["ptr"]
+            torch.testing.assert_close(sa["moco"]["queue"], sb["moco"]["queue"], **close)
+            for name, v in sb["moco"]["key"].items():              # the key encoder: EMA weights, own BN buffers
+                torch.testing.assert_close(sa["moco"]["key"][name], v, **close, msg=name)
+    if "moco" in alone[0][0]:
+        assert [s["moco"]["ptr"] for s, _ in alone] == [(5 * c + 2 * n) % 16 for c, n in enumerate(sizes)]
+        assert {"ce_feature", "con_feature", "ce_task", "con_task"} <= set(together[0][1].stats)
+
+
+@pytest.mark.parametrize("mode, cpu_reason", [("auto", "one by one on the CPU"), ("batched", None),
+                                              ("one_by_one", "client_batching: one_by_one")])
+def test_the_config_chooses_batched_or_one_by_one_and_nothing_falls_back_silently(mode, cpu_reason):
+    from fedcore.engine.loop import _why_not_together
+    method = _method(client_batching=mode)
+    why = _why_not_together(method)
+    assert why is None if cpu_reason is None else cpu_reason in why
+    with pytest.raises(ValueError, match="client_batching"):
+        _method(client_batching="yes")
+    if mode == "batched":                                    # asked for and impossible: an error, not one by one
+        data = _client_data(0, 8, 0)
+        data.pipeline = None
+        client = method.client
+        with pytest.raises(ValueError, match="ClientData.pipeline: None for clients \\[0\\]"):
+            client.fit_together([client.init_state(0)], [method.strategy.configure(method.strategy.init_state(1), 0)],
+                                [data], SETTINGS)

@@ -160,12 +160,12 @@ def test_naive_variants_differ():
     ref = one_by_one(model, names, trainable, starts, [iter(b) for b in batches], ce_loss, SGD)
     original = together._update
 
-    def every_client(hp, state, moments, grads, rows, step):
+    def every_client(hp, state, moments, grads, rows, steps, lrs):
         # the naive masked-free step: inactive clients get a zero gradient but still decay and move
         k = next(iter(state.values())).shape[0]
         full = {n: g if rows is None else torch.zeros((k, *g.shape[1:]), dtype=g.dtype).index_copy_(0, rows, g)
                 for n, g in grads.items()}
-        original(hp, state, moments, full, None, step)
+        original(hp, state, moments, full, None, steps, lrs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(together, "_update", every_client)
@@ -174,7 +174,7 @@ def test_naive_variants_differ():
         assert_same(naive, ref, names)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(together._Bound, "forward", lambda self, batch: (self.loss_fn(self.model, batch), {}))
+        mp.setattr(together._Bound, "forward", lambda self, batch, carry: (*self.loss_fn(self.model, batch, carry), {}))
         stale = train_together(model, names, trainable, starts, [iter(b) for b in batches], ce_loss, SGD)
     with pytest.raises(AssertionError):
         assert_same(stale, ref, names)
@@ -207,7 +207,7 @@ def test_frozen_shared_backbone(opt, monkeypatch):
     assert model.backbone.weight is backbone and torch.equal(backbone, frozen) and backbone.grad is None
     assert not backbone.requires_grad
     # the backbone is passed once, unbatched; only the per-client tensors carry a client axis
-    for in_dims, (train, other, shared, _) in seen:
+    for in_dims, (train, other, shared, _, _) in seen:
         assert in_dims[2] is None and sorted(train) == sorted(names) and not other
         assert shared["model.backbone.weight"].shape == frozen.shape
         assert all(t.shape[0] <= 3 and t.dim() == model.get_parameter(n).dim() + 1 for n, t in train.items())
@@ -257,3 +257,72 @@ def test_grad_of_summed_vmapped_losses_is_per_client_grad(make):
     for n, g in zip(leaves, ours):
         torch.testing.assert_close(g, ref[n], atol=1e-7, rtol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
     assert not torch.equal(ours[0][0], ours[0][1])  # per-client rows, not one shared gradient
+
+
+class TwoPhase(nn.Module):
+    """A body with BatchNorm, a head, and a frozen momentum copy of the body (updated in the loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 3)
+        self.ema = nn.Linear(6, 6)
+        self.ema.requires_grad_(False)
+
+
+def _phase_loss(train_head: bool):
+    """Phase A (body only): CE through a detached head + a term on the carried memory, the memory and the EMA
+    updated; phase B (body and head): plain CE. Logs the CE."""
+
+    def loss(m: TwoPhase, batch: Batch, carry: dict[str, Tensor]) -> tuple[Tensor, dict, dict]:
+        f = m.bn(m.body(batch.x))
+        head_w = m.head.weight if train_head else m.head.weight.detach()
+        ce = F.cross_entropy(f @ head_w.T + m.head.bias.detach(), batch.y)
+        if train_head:
+            return ce, {}, {"ce": ce}
+        with torch.no_grad():
+            m.ema.weight.mul_(0.9).add_(m.body.weight.detach(), alpha=0.1)
+            key = m.ema(batch.x).mean(0)
+        total = ce + 0.1 * (f @ carry["memory"].T).mean()
+        memory = torch.cat([carry["memory"][1:], key[None]])  # FIFO of one key a step, functionally
+        return total, {"memory": memory, "steps": carry["steps"] + 1}, {"ce": ce}
+
+    return loss
+
+
+def _scale_inputs(batch: Batch) -> Batch:
+    """Batched work before the loss: each sample's input scaled by its own drawn factor (extras)."""
+    return batch._replace(x=batch.x * batch.extras["scale"][..., None])
+
+
+@pytest.mark.parametrize("opt", [SGD, ADAM], ids=["sgd", "adam"])
+def test_phases_with_carry_mutable_tensors_and_prepare_equal_one_by_one(opt):
+    torch.manual_seed(3)
+    model = TwoPhase()
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    starts = make_starts(model, names, 3, 3)
+    carries = [{"memory": torch.randn(4, 6), "steps": torch.tensor(c)} for c in range(3)]
+    phases = {"A": together.Phase(("body.weight", "body.bias"), _phase_loss(False), _scale_inputs),
+              "B": together.Phase(("body.weight", "body.bias", "head.weight", "head.bias"), _phase_loss(True))}
+    g = torch.Generator().manual_seed(3)
+    plans = [("A", "B", "B"), ("A", "A", "A", "B"), ("A", "B", "A", "B", "B")]  # phases meet at different steps
+    steps = []
+    for c, plan in enumerate(plans):
+        batches = make_batches([len(plan)], {0: 5} if c == 2 else {}, (6,), 3, 10 + c)[0]
+        steps.append([(ph, b._replace(extras={"scale": torch.rand(len(b.y), generator=g) + 0.5}))
+                      for ph, b in zip(plan, batches)])
+    kw = dict(carries=carries, mutable=["ema.weight"], lrs={"head.weight": 0.5 * opt["lr"]})
+    a = together.train_phases_together(model, names, phases, starts, [iter(s) for s in steps], opt, **kw)
+    b = together.phases_one_by_one(model, names, phases, starts, [iter(s) for s in steps], opt, **kw)
+    for c, (ta, tb) in enumerate(zip(a, b, strict=True)):
+        for n in names:
+            torch.testing.assert_close(ta.state[n], tb.state[n], atol=1e-5, rtol=0, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(ta.carry["memory"], tb.carry["memory"], atol=1e-5, rtol=0)
+        assert int(ta.carry["steps"]) == int(tb.carry["steps"]) == c + plans[c].count("A")
+        assert ta.logs.keys() == tb.logs.keys() == {"loss", "ce"}
+        assert all(abs(ta.logs[k] - tb.logs[k]) < 1e-5 for k in ta.logs)
+        assert not torch.equal(ta.state["ema.weight"], starts[c]["ema.weight"])  # moved in place, kept
+        assert int(ta.state["bn.num_batches_tracked"]) == int(starts[c]["bn.num_batches_tracked"]) + len(plans[c])
+    # the routing is real: without the carry's update the memory would not move
+    assert not torch.equal(a[0].carry["memory"], carries[0]["memory"])

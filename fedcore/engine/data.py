@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -57,67 +57,108 @@ class DeviceSplit:
 
 
 # ---- on-device augmentations ----------------------------------------------------------------------
-def flip(x: Tensor, gen: torch.Generator) -> Tensor:
-    """Horizontal flip of each image with probability 1/2 (NCHW float)."""
-    mask = torch.rand(len(x), generator=gen).to(x.device) < 0.5
-    return torch.where(mask.view(-1, 1, 1, 1), x.flip(-1), x)
+# Each augmentation is two steps: ``draw`` takes its random numbers from the client's CPU generator (they depend
+# only on the batch's shape, so every device gets the same draws), one row per image; ``apply`` warps or recolours
+# the images on their device. Split so that several clients' draws, each from its own generator, can be
+# concatenated and applied in one batched call (FedPFT's clients trained together); ``aug(x, gen)`` does both.
+Draws = dict[str, Any]  # CPU tensors with one row per image (nested: a composite's parts)
 
 
-def crop_flip(x: Tensor, gen: torch.Generator, pad_frac: float = 0.125) -> Tensor:
-    """CIFAR-style augmentation: zero-pad by 1/8 of the side, random crop back, random horizontal flip."""
+@dataclass(frozen=True)
+class Augmentation:
+    """A seeded batch augmentation split into its random draws and their application."""
+
+    draw: Callable[[int, int, int, torch.Generator], Draws]  # (images, height, width, generator) -> draws
+    apply: Callable[[Tensor, Draws], Tensor]                  # (NCHW batch, its draws) -> augmented batch
+
+    def __call__(self, x: Tensor, gen: torch.Generator) -> Tensor:
+        """Draw for ``x`` from ``gen`` and apply."""
+        return self.apply(x, self.draw(len(x), x.shape[-2], x.shape[-1], gen))
+
+
+def _draw_flip(n: int, h: int, w: int, gen: torch.Generator) -> Draws:
+    return {"mask": torch.rand(n, generator=gen) < 0.5}
+
+
+def _apply_flip(x: Tensor, d: Draws) -> Tensor:
+    return torch.where(d["mask"].to(x.device).view(-1, 1, 1, 1), x.flip(-1), x)
+
+
+#: horizontal flip of each image with probability 1/2 (NCHW float)
+flip = Augmentation(_draw_flip, _apply_flip)
+
+CROP_PAD = 0.125  # crop_flip pads by 1/8 of the side (CIFAR's 4 px at 32)
+
+
+def _draw_crop_flip(n: int, h: int, w: int, gen: torch.Generator) -> Draws:
+    pad = max(1, int(round(CROP_PAD * h)))
+    dy = torch.randint(0, 2 * pad + 1, (n,), generator=gen)
+    dx = torch.randint(0, 2 * pad + 1, (n,), generator=gen)
+    return {"dy": dy, "dx": dx, "flip": _draw_flip(n, h, w, gen)}
+
+
+def _apply_crop_flip(x: Tensor, d: Draws) -> Tensor:
     b, _, h, w = x.shape
-    pad = max(1, int(round(pad_frac * h)))
+    pad = max(1, int(round(CROP_PAD * h)))
     padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (b,), generator=gen).to(x.device)
-    dx = torch.randint(0, 2 * pad + 1, (b,), generator=gen).to(x.device)
+    dy, dx = d["dy"].to(x.device), d["dx"].to(x.device)
     rows = (dy.view(b, 1) + torch.arange(h, device=x.device)).view(b, 1, h, 1).expand(b, x.shape[1], h, w + 2 * pad)
     out = padded.gather(2, rows)
     cols = (dx.view(b, 1) + torch.arange(w, device=x.device)).view(b, 1, 1, w).expand(b, x.shape[1], h, w)
-    return flip(out.gather(3, cols), gen)
+    return _apply_flip(out.gather(3, cols), d["flip"])
+
+
+#: CIFAR-style augmentation: zero-pad by 1/8 of the side, random crop back, random horizontal flip
+crop_flip = Augmentation(_draw_crop_flip, _apply_crop_flip)
 
 
 # ---- pixel-space augmentations (colour changes, black fill): they see images in [0, 1] --------------
 GREY = (0.299, 0.587, 0.114)  # ITU-R 601-2 luma, as torchvision's rgb_to_grayscale
 
 
-def _uniform(n: int, low: float, high: float, gen: torch.Generator, device: torch.device) -> Tensor:
-    """``n`` draws of U(low, high) from the CPU generator, moved to ``device`` (the same draws on every device)."""
-    return (low + (high - low) * torch.rand(n, generator=gen)).to(device)
+def _uniform(n: int, low: float, high: float, gen: torch.Generator) -> Tensor:
+    """``n`` draws of U(low, high) from the CPU generator."""
+    return low + (high - low) * torch.rand(n, generator=gen)
 
 
 def _warp(x: Tensor, theta: Tensor, mode: str) -> Tensor:
     """Resample every image through its affine map (output -> input, normalised coordinates); zeros outside."""
-    grid = torch.nn.functional.affine_grid(theta.to(x.dtype), list(x.shape), align_corners=False)
+    grid = torch.nn.functional.affine_grid(theta.to(x.device, x.dtype), list(x.shape), align_corners=False)
     return torch.nn.functional.grid_sample(x, grid, mode=mode, padding_mode="zeros", align_corners=False)
 
 
-def random_resized_crop(x: Tensor, gen: torch.Generator, scale: tuple[float, float] = (0.2, 1.0),
-                        ratio: tuple[float, float] = (3 / 4, 4 / 3), tries: int = 10) -> Tensor:
-    """torchvision's RandomResizedCrop, batched: per image up to ``tries`` draws of an area fraction U(scale) and a
-    log-uniform aspect ratio, the first that fits (else the whole image), placed uniformly, resized bilinearly back."""
-    b, _, h, w = x.shape
-    area = (scale[0] + (scale[1] - scale[0]) * torch.rand(b, tries, generator=gen)) * (h * w)
-    log_r = math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * torch.rand(b, tries, generator=gen)
+def _draw_resized_crop(n: int, h: int, w: int, gen: torch.Generator, scale: tuple[float, float] = (0.2, 1.0),
+                       ratio: tuple[float, float] = (3 / 4, 4 / 3), tries: int = 10) -> Draws:
+    area = (scale[0] + (scale[1] - scale[0]) * torch.rand(n, tries, generator=gen)) * (h * w)
+    log_r = math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * torch.rand(n, tries, generator=gen)
     cw, ch = (area * log_r.exp()).sqrt().round(), (area / log_r.exp()).sqrt().round()
     fits = (cw >= 1) & (cw <= w) & (ch >= 1) & (ch <= h)
     first = fits.to(torch.int64).argmax(dim=1, keepdim=True)
     cw = torch.where(fits.any(1), cw.gather(1, first).squeeze(1), torch.tensor(float(w)))
     ch = torch.where(fits.any(1), ch.gather(1, first).squeeze(1), torch.tensor(float(h)))
-    x0 = torch.floor(torch.rand(b, generator=gen) * (w - cw + 1))
-    y0 = torch.floor(torch.rand(b, generator=gen) * (h - ch + 1))
-    zero = torch.zeros(b)
+    x0 = torch.floor(torch.rand(n, generator=gen) * (w - cw + 1))
+    y0 = torch.floor(torch.rand(n, generator=gen) * (h - ch + 1))
+    zero = torch.zeros(n)
     theta = torch.stack([torch.stack([cw / w, zero, (2 * x0 + cw) / w - 1], 1),
                          torch.stack([zero, ch / h, (2 * y0 + ch) / h - 1], 1)], 1)
-    return _warp(x, theta.to(x.device), "bilinear")
+    return {"theta": theta}
 
 
-def rotate(x: Tensor, gen: torch.Generator, degrees: float = 15.0) -> Tensor:
-    """torchvision's RandomRotation(degrees), batched: an angle U(-degrees, degrees) per image about the centre,
-    nearest-neighbour resampling, black fill."""
-    angle = torch.deg2rad((2 * torch.rand(len(x), generator=gen) - 1) * degrees)
-    cos, sin, zero = angle.cos(), angle.sin(), torch.zeros(len(x))
-    theta = torch.stack([torch.stack([cos, -sin, zero], 1), torch.stack([sin, cos, zero], 1)], 1)
-    return _warp(x, theta.to(x.device), "nearest")
+#: torchvision's RandomResizedCrop, batched: per image up to 10 draws of an area fraction U(0.2, 1) and a
+#: log-uniform aspect ratio in [3/4, 4/3], the first that fits (else the whole image), placed uniformly, resized
+#: bilinearly back
+random_resized_crop = Augmentation(_draw_resized_crop, lambda x, d: _warp(x, d["theta"], "bilinear"))
+
+
+def _draw_rotate(n: int, h: int, w: int, gen: torch.Generator, degrees: float = 15.0) -> Draws:
+    angle = torch.deg2rad((2 * torch.rand(n, generator=gen) - 1) * degrees)
+    cos, sin, zero = angle.cos(), angle.sin(), torch.zeros(n)
+    return {"theta": torch.stack([torch.stack([cos, -sin, zero], 1), torch.stack([sin, cos, zero], 1)], 1)}
+
+
+#: torchvision's RandomRotation(15), batched: an angle U(-15, 15) degrees per image about the centre,
+#: nearest-neighbour resampling, black fill
+rotate = Augmentation(_draw_rotate, lambda x, d: _warp(x, d["theta"], "nearest"))
 
 
 def _grey(x: Tensor) -> Tensor:
@@ -126,10 +167,17 @@ def _grey(x: Tensor) -> Tensor:
     return (GREY[0] * r + GREY[1] * g + GREY[2] * b).unsqueeze(1)
 
 
-def random_grayscale(x: Tensor, gen: torch.Generator, p: float = 0.2) -> Tensor:
-    """Each image turned grey (luma in all three channels) with probability ``p``."""
-    mask = (torch.rand(len(x), generator=gen) < p).to(x.device).view(-1, 1, 1, 1)
+def _draw_grayscale(n: int, h: int, w: int, gen: torch.Generator, p: float = 0.2) -> Draws:
+    return {"mask": torch.rand(n, generator=gen) < p}
+
+
+def _apply_grayscale(x: Tensor, d: Draws) -> Tensor:
+    mask = d["mask"].to(x.device).view(-1, 1, 1, 1)
     return torch.where(mask, _grey(x).expand_as(x), x)
+
+
+#: each image turned grey (luma in all three channels) with probability 0.2
+random_grayscale = Augmentation(_draw_grayscale, _apply_grayscale)
 
 
 def _rgb_to_hsv(x: Tensor) -> Tensor:
@@ -162,15 +210,15 @@ def _hsv_to_rgb(x: Tensor) -> Tensor:
     return torch.einsum("...ijk, ...xijk -> ...xjk", mask.to(x.dtype), a4)
 
 
-def color_jitter(x: Tensor, gen: torch.Generator, brightness: float = 0.4, contrast: float = 0.4,
-                 saturation: float = 0.4, hue: float = 0.4) -> Tensor:
-    """torchvision's ColorJitter, batched, factors drawn per image: brightness, contrast and saturation factors
-    U(1 - s, 1 + s) (blends with black, the image's mean luma, its grey image), hue shift U(-hue, hue). The four
-    are applied in this fixed order (torchvision draws a random order per image; DEVIATIONS.md, FedPFT)."""
-    b, dev = len(x), x.device
-    f_b, f_c, f_s = (_uniform(b, max(0.0, 1 - s), 1 + s, gen, dev).view(-1, 1, 1, 1)
-                     for s in (brightness, contrast, saturation))
-    shift = _uniform(b, -hue, hue, gen, dev).view(-1, 1, 1)
+def _draw_jitter(n: int, h: int, w: int, gen: torch.Generator, brightness: float = 0.4, contrast: float = 0.4,
+                 saturation: float = 0.4, hue: float = 0.4) -> Draws:
+    f_b, f_c, f_s = (_uniform(n, max(0.0, 1 - s), 1 + s, gen) for s in (brightness, contrast, saturation))
+    return {"brightness": f_b, "contrast": f_c, "saturation": f_s, "hue": _uniform(n, -hue, hue, gen)}
+
+
+def _apply_jitter(x: Tensor, d: Draws) -> Tensor:
+    f_b, f_c, f_s = (d[k].to(x.device).view(-1, 1, 1, 1) for k in ("brightness", "contrast", "saturation"))
+    shift = d["hue"].to(x.device).view(-1, 1, 1)
     x = (x * f_b).clamp(0, 1)
     mean = _grey(x).mean(dim=(1, 2, 3), keepdim=True)
     x = (f_c * x + (1 - f_c) * mean).clamp(0, 1)
@@ -180,18 +228,34 @@ def color_jitter(x: Tensor, gen: torch.Generator, brightness: float = 0.4, contr
     return _hsv_to_rgb(hsv)
 
 
-def moco_v1(x: Tensor, gen: torch.Generator) -> Tensor:
-    """MoCo v1's view (its main_moco.py without --aug-plus): RandomResizedCrop(scale 0.2-1), RandomGrayscale(0.2),
-    ColorJitter(0.4, 0.4, 0.4, 0.4), RandomHorizontalFlip, in that order."""
-    return flip(color_jitter(random_grayscale(random_resized_crop(x, gen), gen), gen), gen)
+#: torchvision's ColorJitter(0.4, 0.4, 0.4, 0.4), batched, factors drawn per image: brightness, contrast and
+#: saturation factors U(0.6, 1.4) (blends with black, the image's mean luma, its grey image), hue shift U(-0.4, 0.4).
+#: The four are applied in this fixed order (torchvision draws a random order per image; DEVIATIONS.md, FedPFT).
+color_jitter = Augmentation(_draw_jitter, _apply_jitter)
+
+_MOCO_V1 = (("crop", random_resized_crop), ("grey", random_grayscale), ("jitter", color_jitter), ("flip", flip))
 
 
-#: name -> f(model-ready NCHW batch, generator) -> augmented batch; methods name them in ``augment``
-AUGMENTATIONS: dict[str, Callable[[Tensor, torch.Generator], Tensor]] = {"flip": flip, "crop_flip": crop_flip}
-#: name -> f(NCHW images in [0, 1], generator): applied between un- and re-normalisation by ``InputPipeline.augment``
+def _draw_moco_v1(n: int, h: int, w: int, gen: torch.Generator) -> Draws:
+    return {k: aug.draw(n, h, w, gen) for k, aug in _MOCO_V1}  # in order: the generator's sequence of draws
+
+
+def _apply_moco_v1(x: Tensor, d: Draws) -> Tensor:
+    for k, aug in _MOCO_V1:
+        x = aug.apply(x, d[k])
+    return x
+
+
+#: MoCo v1's view (its main_moco.py without --aug-plus): RandomResizedCrop(scale 0.2-1), RandomGrayscale(0.2),
+#: ColorJitter(0.4, 0.4, 0.4, 0.4), RandomHorizontalFlip, in that order
+moco_v1 = Augmentation(_draw_moco_v1, _apply_moco_v1)
+
+
+#: name -> augmentation of a model-ready NCHW batch; methods name them in ``augment``
+AUGMENTATIONS: dict[str, Augmentation] = {"flip": flip, "crop_flip": crop_flip}
+#: name -> augmentation of NCHW images in [0, 1]: applied between un- and re-normalisation by ``InputPipeline``
 #: (colour changes and black fills are defined on pixels)
-PIXEL_AUGMENTATIONS: dict[str, Callable[[Tensor, torch.Generator], Tensor]] = {"moco_v1": moco_v1,
-                                                                                "rotate15": rotate}
+PIXEL_AUGMENTATIONS: dict[str, Augmentation] = {"moco_v1": moco_v1, "rotate15": rotate}
 
 
 class InputPipeline:
@@ -217,11 +281,22 @@ class InputPipeline:
 
     def augment(self, x: Tensor, name: str, generator: torch.Generator) -> Tensor:
         """The augmentation ``name`` of a model-ready batch (a pixel-space one on its un-normalised pixels)."""
+        return self.apply(x, name, self.draw(name, x.shape, generator))
+
+    @staticmethod
+    def draw(name: str, shape: Sequence[int], generator: torch.Generator) -> Draws:
+        """The random draws of augmentation ``name`` for a batch of ``shape`` (N, C, H, W), from ``generator``."""
+        aug = AUGMENTATIONS.get(name) or PIXEL_AUGMENTATIONS[name]
+        return aug.draw(shape[0], shape[-2], shape[-1], generator)
+
+    def apply(self, x: Tensor, name: str, draws: Draws) -> Tensor:
+        """Augmentation ``name`` of a model-ready batch with its ``draws`` (rows of several clients' draws may be
+        concatenated along with their images)."""
         if name in AUGMENTATIONS:
-            return AUGMENTATIONS[name](x, generator)
+            return AUGMENTATIONS[name].apply(x, draws)
         mean = torch.tensor(self.mean, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
         std = torch.tensor(self.std, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
-        return (PIXEL_AUGMENTATIONS[name](x * std + mean, generator) - mean) / std
+        return (PIXEL_AUGMENTATIONS[name].apply(x * std + mean, draws) - mean) / std
 
 
 def check_augment(names: tuple[str, ...], where: str) -> None:

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import pandas as pd
 import torch
@@ -15,11 +14,10 @@ from tqdm.auto import tqdm
 
 from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
 from fedcore.engine.evaluate import EvalSets, evaluate_round
-from fedcore.engine.optim import ClientData, TrainSettings, autocast_for
-from fedcore.engine.roles import (FitResult, Method, Payload, RoundContext, RoundInfo, load_state, module_state,
-                                 payload_numbers)
+from fedcore.engine.optim import ClientData, TrainSettings
+from fedcore.engine.roles import FitResult, Method, Payload, RoundContext, RoundInfo, payload_numbers
 from fedcore.engine.sampling import stream_seed
-from fedcore.engine.together import has_attention, train_together
+from fedcore.engine.together import has_attention
 from fedcore.io import atomic_torch_save
 from fedcore.metrics import METRIC_COLUMNS, METRIC_DTYPES
 
@@ -270,7 +268,7 @@ def _client_data(c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSpli
     gen = torch.Generator(device="cpu").manual_seed(stream_seed(seed, r, c, stream))
     return ClientData(c, len(idx), lambda: iterate_batches(train, idx, settings.batch_size, pipeline, gen, augment,
                                                            min_batch), gen, settings,
-                      lambda x, name: pipeline.augment(x, name, gen), base_augment)
+                      lambda x, name: pipeline.augment(x, name, gen), base_augment, pipeline)
 
 
 def trains_batchnorm(model: torch.nn.Module) -> bool:
@@ -290,39 +288,22 @@ def _fit_one(method: Method, server: Payload, state: Payload, data: ClientData, 
 def _why_not_together(method: Method) -> str | None:
     """Why a round's clients cannot train together (None: they can)."""
     client = method.client
-    if not client.batchable:
-        return f"{type(client).__name__} does not declare batchable (its update is not the default epochs of loss)"
+    blocker = client.together_blocker()
+    if blocker is not None:
+        return blocker
     if client.keep_optimizer:
         return "the client keeps its optimiser across rounds"
     model = method.models[0]
-    if _a_tensor_of(model).is_cuda and has_attention(model):
+    if _a_tensor_of(model).is_cuda and has_attention(model) and not client.attention_together_on_cuda:
         return "attention on CUDA: one client at a time is faster there (fedcore/engine/together.py, Limits)"
     return None
 
 
 def _fit_together(method: Method, server: Payload, states: list[Payload], datas: list[ClientData],
                   settings: TrainSettings) -> list[tuple[Payload, FitResult]]:
-    """The round's clients trained in one vectorised pass per step; equal to ``_fit_one`` for each."""
-    client = method.client
-    cid0 = datas[0].cid
-    model, keys, trainable = method.model_for(cid0).train(), method.keys(cid0), method.trainable_keys(cid0)
-    starts = []
-    for st, d in zip(states, datas, strict=True):
-        client.start(model, d.cid, st, method.strategy.configure(server, d.cid))
-        starts.append(module_state(model, keys))
-    streams = [_epochs(d, settings.local_epochs) for d in datas]
-    with autocast_for(_a_tensor_of(model)):
-        finals = train_together(model, keys, trainable, starts, streams, client.loss, settings.optimizer)
-    out = []
-    for st, d, (final, loss) in zip(states, datas, finals, strict=True):
-        load_state(model, final)
-        out.append(client.finish(model, d.cid, st, d, {"loss": loss}, None))
-    return out
-
-
-def _epochs(data: ClientData, epochs: int) -> Iterator:
-    """A client's batches over all its local epochs, drawn lazily as in the one-by-one loop."""
-    return itertools.chain.from_iterable(data.batches() for _ in range(epochs))
+    """The round's clients trained in one vectorised pass per step (the client's ``fit_together``)."""
+    downlinks = [method.strategy.configure(server, d.cid) for d in datas]
+    return method.client.fit_together(states, downlinks, datas, settings)
 
 
 def _a_tensor_of(model: torch.nn.Module) -> torch.Tensor:

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
-from fedcore.engine.data import Batch
+from fedcore.engine.data import Batch, InputPipeline
 
 
 @dataclass
@@ -36,6 +37,9 @@ class ClientData:
     # the experiment's base augmentation (names, in order) that a ``Client.raw_batches`` client applies itself to
     # the un-augmented batches it gets (FedPFT: to its CE view, not to the images its MoCo views are made from)
     base_augment: tuple[str, ...] = ()
+    # the run's input pipeline behind ``augment`` (which draws from ``generator``): its draw/apply split lets clients
+    # trained together make their views in one batched call; None outside a run
+    pipeline: InputPipeline | None = None
 
 
 def autocast_for(x: Tensor) -> torch.autocast:
@@ -79,6 +83,11 @@ def run_epochs(params: list[nn.Parameter], data: ClientData, settings: TrainSett
             total = step if total is None else total + step
             count += len(batch.y)
     return {"loss": float(total) / count if count else float("nan")}, opt.state_dict()
+
+
+def epoch_stream(data: ClientData, epochs: int) -> Iterator[Batch]:
+    """A client's batches over all its local epochs, drawn lazily as in the one-by-one loop."""
+    return itertools.chain.from_iterable(data.batches() for _ in range(epochs))
 
 
 @contextlib.contextmanager

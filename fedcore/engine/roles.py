@@ -34,8 +34,9 @@ from torch.nn import functional as F
 from fedcore.constraints import Constraint, violations
 from fedcore.engine.aggregation import weighted_average
 from fedcore.engine.data import Batch, check_augment
-from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, run_epochs
+from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, epoch_stream, run_epochs
 from fedcore.engine.sampling import sample_clients
+from fedcore.engine.together import train_together
 
 if TYPE_CHECKING:
     from fedcore.engine.data import DeviceSplit, InputPipeline
@@ -165,6 +166,36 @@ class Client(Role):
     raw_batches: ClassVar[bool] = False
     #: the engine logs every stat of ``FitResult.stats`` (not only ``loss``), as its mean over the round's clients
     log_stats: ClassVar[bool] = False
+
+    #: the client's attention layers may train together on CUDA too: they run in fp32 and are small (FedPFT's τ),
+    #: so the limits of vmapped attention there (fedcore/engine/together.py) do not apply
+    attention_together_on_cuda: ClassVar[bool] = False
+
+    def together_blocker(self) -> str | None:
+        """Why this client's rounds cannot train together (None: they can); default: unless ``batchable``."""
+        if self.batchable:
+            return None
+        return f"{type(self).__name__} does not declare batchable (its update is not the default epochs of loss)"
+
+    def fit_together(self, states: list[Payload], downlinks: list[Payload], datas: list[ClientData],
+                     settings: TrainSettings) -> list[tuple[Payload, FitResult]]:
+        """The round's clients (one model) in one vectorised pass per step, equal to ``fit`` for each up to float
+        reassociation; default: epochs of ``loss`` (fedcore/engine/together.py's ``train_together``)."""
+        cid0 = datas[0].cid
+        model = self.method.model_for(cid0).train()
+        keys, trainable = self.method.keys(cid0), self.method.trainable_keys(cid0)
+        starts = []
+        for st, down, d in zip(states, downlinks, datas, strict=True):
+            self.start(model, d.cid, st, down)
+            starts.append(module_state(model, keys))
+        streams = [epoch_stream(d, settings.local_epochs) for d in datas]
+        with autocast_for(next(iter(model.parameters()))):
+            finals = train_together(model, keys, trainable, starts, streams, self.loss, settings.optimizer)
+        out = []
+        for st, d, (final, loss) in zip(states, datas, finals, strict=True):
+            load_state(model, final)
+            out.append(self.finish(model, d.cid, st, d, {"loss": loss}, None))
+        return out
 
     def shared_keys(self, keys: list[str]) -> list[str]:
         """State keys sent to the server (default: all)."""

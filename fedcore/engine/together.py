@@ -28,6 +28,17 @@ vmapped function works on clones of the buffers and returns them (read back from
 functional call, so in-place updates and reassignments are both caught); the caller writes them into the
 group's rows.
 
+Phases (:func:`train_phases_together`, reference :func:`phases_one_by_one`): a client update made of several
+kinds of step (FedPFT's feature and task phases) is one optimiser over streams of (phase, batch) steps; each
+:class:`Phase` names the tensors it trains and its loss. Clients are grouped per step also by phase and by how
+many steps each trained tensor has taken, so the optimiser's first step (SGD) and step count (Adam) are one
+number per group; per-tensor learning rates play torch's parameter groups. Method-owned per-client state
+outside the module (a MoCo queue and its pointer: ``carries``) is stacked like the module's tensors, handed to
+the loss and replaced by the values it returns; module tensors the loss changes in place besides BatchNorm
+buffers (``mutable``: a momentum encoder's EMA) are cloned before the call and read back after it, as the
+buffers are. A phase's ``prepare`` runs batched work without gradient on the group's stacked batch before the
+vmapped loss (views whose random draws each client made from its own generator).
+
 Limits: the loss must draw no random numbers (vmap runs with ``randomness="error"``); every buffer the
 forward mutates must be in ``names`` (a shared buffer cannot take per-client updates: torch.func raises
 on the in-place update of a captured tensor; :func:`can_vmap` checks BatchNorm beforehand); the loss must
@@ -42,13 +53,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 Result = list[tuple[dict[str, Tensor], float]]
 _END = object()
@@ -89,7 +100,7 @@ def _hyper(cfg: dict) -> _Hyper:
                   float(cfg.get("weight_decay", 0.0)))
 
 
-def _torch_optimizer(params: list[Tensor], hp: _Hyper) -> torch.optim.Optimizer:
+def _torch_optimizer(params: list[Tensor] | list[dict], hp: _Hyper) -> torch.optim.Optimizer:
     """The torch.optim optimiser that the functional update reproduces."""
     if hp.name == "sgd":
         return torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
@@ -123,19 +134,52 @@ def can_vmap(model: nn.Module, names: list[str]) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Phase:
+    """One kind of step of a client update (:func:`train_phases_together`): the tensors it trains and its loss.
+
+    ``loss(module, batch, carry) -> (loss, new_carry, logs)``: the scalar mean loss of the batch; new values for
+    some of the client's ``carry`` tensors (method-owned state outside the module, e.g. a MoCo queue: computed
+    functionally, written back after the step); named scalar means over the batch to log. It may update the
+    tensors named ``mutable`` in place (read back after the call, as BatchNorm buffers are). ``prepare``, optional:
+    batched work without gradient on the group's stacked batch (every tensor leaf with the client axis first)
+    before the loss, e.g. augmentations whose random draws each client's stream made from its own generator.
+    """
+
+    trainable: tuple[str, ...]
+    loss: Callable[[nn.Module, Any, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]]
+    prepare: Callable[[Any], Any] | None = None
+
+
+@dataclass
+class Trained:
+    """One client after :func:`train_phases_together`: its tensors (every key of ``names``), its carry, and each
+    logged value's mean per sample over the steps that logged it (``loss`` always)."""
+
+    state: dict[str, Tensor]
+    carry: dict[str, Tensor]
+    logs: dict[str, float]
+
+
+def _tensor_of(module: nn.Module, name: str) -> Tensor:
+    """The parameter or buffer ``name`` as the module holds it now (also a tensor swapped in by functional_call)."""
+    owner, _, attr = name.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, attr)
+
+
 class _Bound(nn.Module):
     """The model and the loss as one module, so functional_call can run a loss that uses any part of it."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor], buffers: list[str]):
+    def __init__(self, model: nn.Module, changing: list[str]):
         super().__init__()
         self.model = model
-        self.loss_fn = loss_fn
-        self.buffer_names = buffers
+        self.loss_fn: Callable = lambda module, batch, carry: None  # the group's phase loss, set before each call
+        self.changing = changing
 
-    def forward(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        loss = self.loss_fn(self.model, batch)
-        # read inside the call: the swapped-in buffers after the forward updated them (in place or not)
-        return loss, {n: self.model.get_buffer(n).detach() for n in self.buffer_names}
+    def forward(self, batch: Any, carry: dict[str, Tensor]) -> tuple[Tensor, dict, dict, dict[str, Tensor]]:
+        loss, new_carry, logs = self.loss_fn(self.model, batch, carry)
+        # read inside the call: the swapped-in tensors after the forward updated them (in place or not)
+        return loss, new_carry, logs, {n: _tensor_of(self.model, n).detach() for n in self.changing}
 
 
 def _put(store: dict[str, Tensor], name: str, rows: Tensor | None, value: Tensor) -> None:
@@ -153,10 +197,12 @@ def _take(t: Tensor, rows: Tensor | None) -> Tensor:
 
 @torch.no_grad()
 def _update(hp: _Hyper, state: dict[str, Tensor], moments: dict[str, dict[str, Tensor]],
-            grads: dict[str, Tensor], rows: Tensor | None, step: int) -> None:
-    """One optimiser step on the group's rows, with the operations of torch.optim's single-tensor code."""
-    lr, wd = hp.lr, hp.weight_decay
+            grads: dict[str, Tensor], rows: Tensor | None, steps: dict[str, int], lrs: dict[str, float]) -> None:
+    """One optimiser step on the group's rows, with the operations of torch.optim's single-tensor code; ``steps``:
+    how many steps each tensor took before (the same for the group's rows), ``lrs``: per-tensor learning rates."""
+    wd = hp.weight_decay
     for n, g in grads.items():
+        lr = lrs.get(n, hp.lr)
         p = _take(state[n], rows)
         if hp.name == "sgd":
             d = g.add(p, alpha=wd) if wd else g
@@ -164,8 +210,8 @@ def _update(hp: _Hyper, state: dict[str, Tensor], moments: dict[str, dict[str, T
                 bufs = moments.setdefault("momentum", {})
                 if n not in bufs:
                     bufs[n] = torch.zeros_like(state[n])
-                # step 0 is every active client's first step: torch sets buf = d_p
-                buf = d.clone() if step == 0 else _take(bufs[n], rows).mul(hp.momentum).add(d)
+                # the tensor's first step: torch sets buf = d_p
+                buf = d.clone() if steps[n] == 0 else _take(bufs[n], rows).mul(hp.momentum).add(d)
                 _put(bufs, n, rows, buf)
                 d = buf
             p = p.add(d, alpha=-lr)
@@ -183,7 +229,7 @@ def _update(hp: _Hyper, state: dict[str, Tensor], moments: dict[str, dict[str, T
             m2 = _take(sq[n], rows).mul(beta2).addcmul(g, g, value=1 - beta2)
             _put(avg, n, rows, m1)
             _put(sq, n, rows, m2)
-            t = float(step + 1)
+            t = float(steps[n] + 1)
             step_size = lr / (1 - beta1 ** t)
             denom = (m2.sqrt() / (1 - beta2 ** t) ** 0.5).add(hp.eps)
             p = p.addcdiv(m1, denom, value=-step_size)
@@ -201,125 +247,202 @@ def _leaf_key(leaf: Any) -> Any:
         return ("object", id(leaf))
 
 
+def _check_phases(model: nn.Module, names: list[str], phases: dict[Any, Phase], mutable: Sequence[str],
+                  lrs: dict[str, float]) -> tuple[list[str], set[str]]:
+    """Every tensor trained by some phase, and the module's buffer names, after checking the arguments."""
+    if not phases:
+        raise ValueError("phases is empty")
+    trained: list[str] = []
+    for ph in phases.values():
+        trained += [n for n in ph.trainable if n not in trained]
+    _, buffers = _check(model, names, trained)
+    for key, ph in phases.items():
+        if not ph.trainable:
+            raise ValueError(f"phase {key!r} trains nothing")
+    bad = [n for n in mutable if n not in names or n in trained]
+    if bad:
+        raise ValueError(f"mutable must be per-client tensors (in names) that no phase trains: {bad}")
+    bad = [n for n in lrs if n not in trained]
+    if bad:
+        raise ValueError(f"lrs names tensors that no phase trains: {bad}")
+    return trained, buffers
+
+
+def train_phases_together(model: nn.Module, names: list[str], phases: dict[Any, Phase],
+                          starts: list[dict[str, Tensor]], streams: list[Iterator[tuple[Any, Any]]],
+                          optimizer: dict, *, carries: list[dict[str, Tensor]] | None = None,
+                          mutable: Sequence[str] = (), lrs: dict[str, float] | None = None,
+                          batch_len: Callable[[Any], int] = default_batch_len) -> list[Trained]:
+    """Each client trained together, one optimiser over every phase: streams yield (phase key, batch) steps.
+
+    Clients are grouped per step by phase, batch structure and how many steps each trained tensor has taken
+    (one Adam step count / SGD first step per group); a tensor that a phase does not train gets no gradient
+    and no optimiser step there (torch.optim skips it), as :func:`phases_one_by_one` with ``requires_grad``
+    off. ``lrs``: learning rates of single tensors (torch's parameter groups), default the optimiser's lr.
+    """
+    hp = _hyper(optimizer)
+    lrs = dict(lrs or {})
+    trained, buffers = _check_phases(model, names, phases, mutable, lrs)
+    k = len(starts)
+    if k == 0:
+        return []
+    carries = carries if carries is not None else [{} for _ in range(k)]
+    state = {n: torch.stack([s[n].detach() for s in starts]) for n in names}
+    carry = {n: torch.stack([c[n].detach() for c in carries]) for n in carries[0]}
+    # frozen, shared by every client: passed once, unbatched; detached so no outer graph is built
+    shared = {"model." + n: p.detach() for n, p in model.named_parameters() if n not in state}
+    changing = [n for n in names if n in buffers or n in set(mutable)]
+    bound = _Bound(model, changing)
+    changing_set = set(changing)
+
+    def client_loss(train: dict[str, Tensor], other: dict[str, Tensor], frozen: dict[str, Tensor],
+                    own: dict[str, Tensor], leaves: list[Tensor], spec: Any, loose: list[Any]) -> tuple:
+        """One client's loss on its batch, new carry, logs, and its changed tensors after the forward."""
+        it = iter(leaves)
+        batch = tree_unflatten([next(it) if lf is _TENSOR else lf for lf in loose], spec)
+        # clones: the forward updates buffers (and ``mutable``) in place; the inputs stay untouched
+        tensors = {**frozen, **{"model." + n: t.clone() if n in changing_set else t for n, t in other.items()},
+                   **{"model." + n: t for n, t in train.items()}}
+        return functional_call(bound, tensors, (batch, own))
+
+    device = state[names[0]].device
+    sums: dict[str, Tensor] = {}  # per-client weighted sums, on the device: no sync per step
+    seen: dict[str, list[int]] = {}
+    steps = [dict.fromkeys(trained, 0) for _ in range(k)]
+    moments: dict[str, dict[str, Tensor]] = {}
+    rows_cache: dict[tuple[int, ...], Tensor | None] = {}
+    live = list(range(k))
+    while live:
+        items = {c: next(streams[c], _END) for c in live}
+        live = [c for c in live if items[c] is not _END]  # a finished stream is never pulled again
+        groups: dict[Any, list[int]] = {}
+        flat: dict[int, tuple[list[Any], Any]] = {}
+        for c in live:
+            key, batch = items[c]
+            leaves, spec = tree_flatten(batch)
+            flat[c] = (leaves, spec)
+            counts = tuple(steps[c][n] for n in phases[key].trainable)
+            groups.setdefault((key, counts, spec, tuple(_leaf_key(lf) for lf in leaves)), []).append(c)
+        for (key, _, _, _), members in groups.items():
+            phase = phases[key]
+            group = tuple(members)
+            if group not in rows_cache:
+                # every client, in order: the stacked tensors are used whole, without gathers
+                rows_cache[group] = None if group == tuple(range(k)) else torch.tensor(members, device=device)
+            rows = rows_cache[group]
+            leaves0, spec = flat[members[0]]
+            stacked = tree_unflatten([torch.stack([flat[c][0][i] for c in members]) if isinstance(lf, Tensor) else lf
+                                      for i, lf in enumerate(leaves0)], spec)
+            if phase.prepare is not None:
+                with torch.no_grad():
+                    stacked = phase.prepare(stacked)
+            leaves, spec = tree_flatten(stacked)
+            loose = [_TENSOR if isinstance(lf, Tensor) else lf for lf in leaves]
+            tensors = [lf for lf in leaves if isinstance(lf, Tensor)]
+            train = {n: _take(state[n], rows).detach().requires_grad_() for n in phase.trainable}
+            other = {n: _take(state[n], rows) for n in names if n not in train}
+            own = {n: _take(t, rows) for n, t in carry.items()}
+            bound.loss_fn = phase.loss
+            fn = vmap(lambda tr, ot, fr, ow, lv: client_loss(tr, ot, fr, ow, lv, spec, loose),
+                      in_dims=(0, 0, None, 0, 0), randomness="error")
+            # the math attention kernel: the fused kernels' backward has no working batching rule (see Limits)
+            with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+                loss, new_carry, logs, changed = fn(train, other, shared, own, tensors)
+                grads = torch.autograd.grad(loss.sum(), list(train.values()), allow_unused=True)
+            for n, v in changed.items():
+                _put(state, n, rows, v.detach())
+            for n, v in new_carry.items():
+                _put(carry, n, rows, v.detach())
+            used = {n: g for n, g in zip(train, grads) if g is not None}  # unused: no gradient, no step
+            _update(hp, state, moments, used, rows, {n: steps[members[0]][n] for n in used}, lrs)
+            lens = [batch_len(items[c][1]) for c in members]
+            for c, m in zip(members, lens):
+                for n in used:
+                    steps[c][n] += 1
+            weights = torch.tensor(lens, dtype=torch.float64, device=device)
+            for name, v in {"loss": loss, **logs}.items():
+                if name not in sums:
+                    sums[name], seen[name] = torch.zeros(k, dtype=torch.float64, device=device), [0] * k
+                weighted = v.detach().double() * weights
+                if rows is None:
+                    sums[name] += weighted
+                else:
+                    sums[name].index_add_(0, rows, weighted)
+                for c, m in zip(members, lens):
+                    seen[name][c] += m
+    totals = {name: t.tolist() for name, t in sums.items()}
+    return [Trained({n: state[n][c].clone() for n in names}, {n: t[c].clone() for n, t in carry.items()},
+                    {name: totals[name][c] / seen[name][c] for name in totals if seen[name][c]})
+            for c in range(k)]
+
+
 def train_together(model: nn.Module, names: list[str], trainable: list[str],
                    starts: list[dict[str, Tensor]], streams: list[Iterator[Any]],
                    loss_fn: Callable[[nn.Module, Any], Tensor], optimizer: dict,
                    batch_len: Callable[[Any], int] = default_batch_len) -> Result:
     """Each client's final state (every key of ``names``) and its mean loss per sample, trained together."""
+    phase = Phase(tuple(trainable), lambda module, batch, carry: (loss_fn(module, batch), {}, {}))
+    out = train_phases_together(model, names, {0: phase}, starts, [((0, b) for b in s) for s in streams],
+                                optimizer, batch_len=batch_len)
+    return [(t.state, t.logs.get("loss", math.nan)) for t in out]
+
+
+def phases_one_by_one(model: nn.Module, names: list[str], phases: dict[Any, Phase],
+                      starts: list[dict[str, Tensor]], streams: list[Iterator[tuple[Any, Any]]],
+                      optimizer: dict, *, carries: list[dict[str, Tensor]] | None = None,
+                      mutable: Sequence[str] = (), lrs: dict[str, float] | None = None,
+                      batch_len: Callable[[Any], int] = default_batch_len) -> list[Trained]:
+    """The reference of :func:`train_phases_together`: each client in turn, loaded into ``model``, one fresh torch
+    optimiser (a parameter group per learning rate) over every phase, each phase's tensors alone requiring grad."""
     hp = _hyper(optimizer)
-    _, buffers = _check(model, names, trainable)
-    k = len(starts)
-    if k == 0:
-        return []
-    train_set = set(trainable)
-    state = {n: torch.stack([s[n].detach() for s in starts]) for n in names}
-    # frozen, shared by every client: passed once, unbatched; detached so no outer graph is built
-    shared = {"model." + n: p.detach() for n, p in model.named_parameters() if n not in state}
-    bound = _Bound(model, loss_fn, [n for n in names if n in buffers])
-    fixed = [n for n in names if n not in train_set]
-
-    def client_loss(train: dict[str, Tensor], other: dict[str, Tensor], frozen: dict[str, Tensor],
-                    leaves: list[Tensor], spec: Any, loose: list[Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        """One client's loss on its batch, and its buffers after the forward."""
-        it = iter(leaves)
-        batch = tree_unflatten([next(it) if lf is _TENSOR else lf for lf in loose], spec)
-        # clones: the forward updates buffers in place; the inputs stay untouched
-        tensors = {**frozen, **{"model." + n: t.clone() if n in buffers else t for n, t in other.items()},
-                   **{"model." + n: t for n, t in train.items()}}
-        return functional_call(bound, tensors, (batch,))
-
-    device = state[trainable[0]].device
-    sums = torch.zeros(k, dtype=torch.float64, device=device)  # stays on the device: no sync per step
-    seen = [0] * k
-    moments: dict[str, dict[str, Tensor]] = {}
-    rows_cache: dict[tuple[int, ...], Tensor | None] = {}
-    live = list(range(k))
-    step = 0
-    while live:
-        batches = {c: next(streams[c], _END) for c in live}
-        live = [c for c in live if batches[c] is not _END]  # a finished stream is never pulled again
-        groups: dict[Any, list[int]] = {}
-        flat: dict[int, tuple[list[Any], Any]] = {}
-        for c in live:
-            leaves, spec = tree_flatten(batches[c])
-            flat[c] = (leaves, spec)
-            groups.setdefault((spec, tuple(_leaf_key(lf) for lf in leaves)), []).append(c)
-        for members in groups.values():
-            key = tuple(members)
-            if key not in rows_cache:
-                # every client, in order: the stacked tensors are used whole, without gathers
-                rows_cache[key] = None if key == tuple(range(k)) else torch.tensor(members, device=device)
-            rows = rows_cache[key]
-            leaves0, spec = flat[members[0]]
-            loose = [_TENSOR if isinstance(lf, Tensor) else lf for lf in leaves0]
-            stacked = [torch.stack([flat[c][0][i] for c in members]) for i, lf in enumerate(leaves0)
-                       if isinstance(lf, Tensor)]
-            train = {n: _take(state[n], rows).detach().requires_grad_() for n in trainable}
-            other = {n: _take(state[n], rows) for n in fixed}
-            fn = vmap(lambda tr, ot, fr, lv: client_loss(tr, ot, fr, lv, spec, loose), in_dims=(0, 0, None, 0),
-                      randomness="error")
-            # the math attention kernel: the fused kernels' backward has no working batching rule (see Limits)
-            with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-                loss, new_bufs = fn(train, other, shared, stacked)
-                grads = dict(zip(train, torch.autograd.grad(loss.sum(), list(train.values()))))
-            for n, v in new_bufs.items():
-                _put(state, n, rows, v.detach())
-            _update(hp, state, moments, grads, rows, step)
-            lens = [batch_len(batches[c]) for c in members]
-            for c, m in zip(members, lens):
-                seen[c] += m
-            weighted = loss.detach().double()
-            weighted = weighted * lens[0] if len(set(lens)) == 1 else weighted * torch.tensor(
-                lens, dtype=torch.float64, device=device)
-            if rows is None:
-                sums += weighted
-            else:
-                sums.index_add_(0, rows, weighted)
-        step += 1
-    totals = sums.tolist()
-    return [({n: state[n][c].clone() for n in names}, totals[c] / seen[c] if seen[c] else math.nan)
-            for c in range(k)]
-
-
-def one_by_one(model: nn.Module, names: list[str], trainable: list[str],
-               starts: list[dict[str, Tensor]], streams: list[Iterator[Any]],
-               loss_fn: Callable[[nn.Module, Any], Tensor], optimizer: dict,
-               batch_len: Callable[[Any], int] = default_batch_len) -> Result:
-    """The reference: each client in turn, loaded into ``model`` and trained with a fresh torch optimiser."""
-    hp = _hyper(optimizer)
-    _check(model, names, trainable)
+    lrs = dict(lrs or {})
+    trained, _ = _check_phases(model, names, phases, mutable, lrs)
+    carries = carries if carries is not None else [{} for _ in starts]
 
     def tensors() -> dict[str, Tensor]:
         # re-read every time: a module may reassign a buffer during its forward
         return {**dict(model.named_buffers()), **dict(model.named_parameters())}
 
-    train_set = set(trainable)
     saved = {n: tensors()[n].detach().clone() for n in names}
     flags = {n: (p.requires_grad, p.grad) for n, p in model.named_parameters()}
-    out: Result = []
+    out: list[Trained] = []
     try:
-        for n, p in model.named_parameters():
-            p.requires_grad_(n in train_set)  # frozen parts get no .grad, as under train_together
+        for p in model.parameters():
             p.grad = None
-        for start, stream in zip(starts, streams):
+        for start, stream, own in zip(starts, streams, carries):
             with torch.no_grad():
                 current = tensors()
                 for n in names:
                     current[n].copy_(start[n])
             params = dict(model.named_parameters())
-            opt = _torch_optimizer([params[n] for n in trainable], hp)
-            total, count = None, 0
-            for batch in stream:
+            by_lr: dict[float, list[Tensor]] = {}
+            for n in trained:
+                by_lr.setdefault(lrs.get(n, hp.lr), []).append(params[n])
+            opt = _torch_optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], hp)
+            carry = {n: t.detach().clone() for n, t in own.items()}
+            sums: dict[str, Tensor] = {}
+            seen: dict[str, int] = {}
+            for key, batch in stream:
+                phase = phases[key]
+                m = batch_len(batch)
+                if phase.prepare is not None:  # on a stack of one client, as train_phases_together's groups
+                    with torch.no_grad():
+                        one = tree_map(lambda t: t[None] if isinstance(t, Tensor) else t, batch)
+                        batch = tree_map(lambda t: t[0] if isinstance(t, Tensor) else t, phase.prepare(one))
+                for n, p in params.items():
+                    p.requires_grad_(n in phase.trainable)  # frozen parts get no .grad, as under vmap
                 opt.zero_grad(set_to_none=True)
-                loss = loss_fn(model, batch)
+                loss, new_carry, logs = phase.loss(model, batch, carry)
                 loss.backward()
                 opt.step()
-                m = batch_len(batch)
-                step = loss.detach().double() * m
-                total, count = (step if total is None else total + step), count + m
+                carry.update({n: v.detach() for n, v in new_carry.items()})
+                for name, v in {"loss": loss, **logs}.items():
+                    step = v.detach().double() * m
+                    sums[name] = step if name not in sums else sums[name] + step
+                    seen[name] = seen.get(name, 0) + m
             current = tensors()
-            out.append(({n: current[n].detach().clone() for n in names},
-                        total.item() / count if count else math.nan))
+            out.append(Trained({n: current[n].detach().clone() for n in names}, carry,
+                               {name: t.item() / seen[name] for name, t in sums.items()}))
     finally:
         with torch.no_grad():
             current = tensors()
@@ -329,3 +452,14 @@ def one_by_one(model: nn.Module, names: list[str], trainable: list[str],
             p.requires_grad_(flags[n][0])
             p.grad = flags[n][1]
     return out
+
+
+def one_by_one(model: nn.Module, names: list[str], trainable: list[str],
+               starts: list[dict[str, Tensor]], streams: list[Iterator[Any]],
+               loss_fn: Callable[[nn.Module, Any], Tensor], optimizer: dict,
+               batch_len: Callable[[Any], int] = default_batch_len) -> Result:
+    """The reference: each client in turn, loaded into ``model`` and trained with a fresh torch optimiser."""
+    phase = Phase(tuple(trainable), lambda module, batch, carry: (loss_fn(module, batch), {}, {}))
+    out = phases_one_by_one(model, names, {0: phase}, starts, [((0, b) for b in s) for s in streams], optimizer,
+                            batch_len=batch_len)
+    return [(t.state, t.logs.get("loss", math.nan)) for t in out]

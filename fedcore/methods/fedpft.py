@@ -29,6 +29,18 @@ L_Con, §2 [S]); n_κ 10, n_ρ 20, (R_f, R_a) = (3, 2) at Dirichlet α = 0.1 els
 ``queue_size`` 65536, m 0.999, β 0.07, linear head (MoCo v1 defaults, §1.5 [R]); τ: 8 heads, no residual, no norm
 (§8 A1 [R]); prompts N(0, 0.02²) per client from the run seed (§8 A2 [R]; ``prompt_init: identical``).
 
+Clients trained together (spec §7's compute note; ``client_batching``): :meth:`FedPFTClient.fit_together` runs a
+round's clients in one vmapped pass per step (fedcore/engine/together.py's phases): the same phases, optimiser
+(τ's lr as a per-tensor lr), routing and MoCo order; per client on the client axis: φ, τ, heads, prompts, BatchNorm
+statistics, the key encoder (EMA in place under vmap, its own BatchNorm statistics) and the queue + pointer (the
+enqueue as a function, :func:`pft_modules.enqueued`). Each client's views come from its own generator in the
+order of the one-by-one loop (an epoch's shuffle, then per batch the base view's, query's and key's draws), then
+one batched warp for all the group's images: the same random numbers, so the same client states up to float
+reassociation (float64: 1e-9). ``auto`` (default): together on CUDA, one by one on the CPU, where the vmapped
+convolutions cost more than the dispatch they save (benchmarks/bench_fedpft.py); ``batched`` / ``one_by_one`` force
+one, and ``batched`` raises where it cannot run. τ runs in fp32 in both paths (autocast off: vmapped attention's
+backward fails in bf16 on CUDA).
+
 Variants (§1.11, Table 3): ``contrastive: false`` (w/o L_Con = Setting III: no h_ρ, p_ρ, MoCo; the feature phase
 trains p_κ and τ with L_CE); ``alternate: false`` (one joint phase of all epochs, every part trained by the summed
 loss: Settings II, VII, VIII); ``n_rho: 0`` (the contrastive branch is τ([φ(x')]) without prompts: IV, VII);
@@ -39,11 +51,12 @@ contrastive branch φ, τ, p_ρ, h_ρ; later rounds are FedPFT w/o L_Con from th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils._pytree import tree_map
 
 from fedcore.constraints import Choice, Flag, Int, Number
 from fedcore.engine.data import AUGMENTATIONS, PIXEL_AUGMENTATIONS
@@ -51,8 +64,10 @@ from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_o
 from fedcore.engine.roles import (Client, FitResult, Method, Payload, RoundInfo, Strategy, load_state,
                                   module_state)
 from fedcore.engine.sampling import stream_seed
+from fedcore.engine.together import Phase as StepKind, Trained, train_phases_together
 from fedcore.methods.base import INITS, PersonalEvaluator, random_weights, raw_backbone
-from fedcore.methods.pft_modules import KEY_PARTS, PFTModel, enqueue, momentum_update, moco_loss
+from fedcore.methods.pft_modules import (KEY_PARTS, PFTModel, Views, enqueue, enqueued, fp32, momentum_update,
+                                        moco_loss)
 
 AUGMENT_NAMES = tuple(sorted(AUGMENTATIONS) + sorted(PIXEL_AUGMENTATIONS))
 
@@ -98,11 +113,35 @@ def phase_plan(params: dict[str, Any], local_epochs: int, stage: int = 0) -> lis
     return [(feature, rf), (task, local_epochs - rf)]
 
 
+class Drawn(NamedTuple):
+    """One step of a client trained together: its batch and the random draws of its views, made from the client's
+    own generator when the step is pulled (the order of :meth:`FedPFTClient.losses`); applied batched later."""
+
+    y: Tensor
+    x: Tensor
+    base: list[dict] | None    # one per ``base_augment`` name
+    query: dict | None
+    key: dict | None
+
+
 class FedPFTClient(Client):
     """The alternating local round; uploads φ, τ, h_κ, h_ρ; keeps its prompts and MoCo state."""
 
     log_stats = True  # per-phase L_CE / L_Con means (Fig. 5)
     raw_batches = True  # the experiment's base augmentation goes to the CE view only; MoCo views start from x
+
+    attention_together_on_cuda = True  # τ runs in fp32 (PFTModel.transform) and is one layer over 1 + n tokens
+
+    def together_blocker(self) -> str | None:
+        """``client_batching``: batched / one_by_one as asked; auto: together on CUDA, one by one on the CPU, where
+        it measured faster (benchmarks/bench_fedpft.py)."""
+        mode = self.params["client_batching"]
+        if mode == "one_by_one":
+            return "method_params client_batching: one_by_one"
+        if mode == "auto" and not next(iter(self.method.models[0].parameters())).is_cuda:
+            return "client_batching: auto trains FedPFT's clients one by one on the CPU (faster there: " \
+                   "benchmarks/bench_fedpft.py)"
+        return None
 
     def _personal(self, key: str) -> bool:
         return key in PROMPTS or (self.params["classifier"] == "personal" and key.startswith("head."))
@@ -188,29 +227,145 @@ class FedPFTClient(Client):
         stats = {k: float(v) / counts[k] for k, v in sums.items()}
         return {"loss": stats.pop("loss", float("nan")), **stats}
 
+    def fit_together(self, states: list[Payload], downlinks: list[Payload], datas: list[ClientData],
+                     settings: TrainSettings) -> list[tuple[Payload, FitResult]]:
+        """The round of every client in one vmapped pass per step (fedcore/engine/together.py's phases): the same
+        phases, optimiser, views and MoCo updates as :meth:`fit`, client by client up to float reassociation."""
+        m, p = self.method, self.params
+        cid0 = datas[0].cid
+        model = m.model_for(cid0).train()
+        keys, trainable = m.keys(cid0), m.trainable_keys(cid0)
+        stages = {int(down.get("stage", 0)) for down in downlinks}
+        if len(stages) != 1:
+            raise ValueError(f"FedPFT's clients trained together must share the round's stage, got {sorted(stages)}")
+        plan = [(ph, e) for ph, e in phase_plan(p, settings.local_epochs, stages.pop()) if e > 0]
+        missing = [d.cid for d in datas if d.pipeline is None and (d.base_augment or any(ph.con for ph, _ in plan))]
+        if len({tuple(d.base_augment) for d in datas}) != 1:
+            raise ValueError("FedPFT's clients trained together must share the experiment's base augmentation")
+        if missing:
+            raise ValueError(f"FedPFT's clients trained together make their views with ClientData.pipeline: None for "
+                             f"clients {missing}")
+        key_keys = list(model.key.state_dict()) if model.key is not None else []
+        names = keys + ["key." + k for k in key_keys]
+        starts, carries = [], []
+        for st, down, d in zip(states, downlinks, datas, strict=True):
+            self.start(model, d.cid, st, down)
+            start = module_state(model, keys)
+            if model.key is not None:
+                source = down["model"] if p["key_encoder"] == "resync" else st["moco"]["key"]
+                dev = st["moco"]["queue"].device  # the initial key encoder's new parts may still be on the CPU
+                start.update({"key." + k: source[k].to(dev) for k in key_keys})
+                carries.append({"queue": st["moco"]["queue"], "ptr": torch.tensor(int(st["moco"]["ptr"]), device=dev)})
+            starts.append(start)
+        part = lambda k: k.split(".")[0]  # noqa: E731
+        kinds = {i: StepKind(tuple(k for k in trainable if part(k) in ph.train), self._together_loss(ph),
+                             self._views_maker(datas[0].pipeline, tuple(datas[0].base_augment)))
+                 for i, (ph, _) in enumerate(plan)}
+        tau_lr = float(p["tau_lr"] if any(ph.con for ph, _ in plan) else p["tau_lr_no_con"])
+        lrs = {k: tau_lr for k in trainable if part(k) == "tau"}
+        mutable = [n for n, _ in model.named_parameters() if n.startswith("key.")]  # the EMA, in place
+        streams = [self._drawn_steps(plan, d) for d in datas]
+        with autocast_for(next(iter(model.parameters()))):
+            finals = train_phases_together(model, names, kinds, starts, streams, settings.optimizer,
+                                           carries=carries if model.key is not None else None, mutable=mutable,
+                                           lrs=lrs, batch_len=lambda step: len(step.y))
+        return [self._finish_together(model, keys, key_keys, st, d, t)
+                for st, d, t in zip(states, datas, finals, strict=True)]
+
+    def _finish_together(self, model: PFTModel, keys: list[str], key_keys: list[str], state: Payload,
+                         data: ClientData, t: Trained) -> tuple[Payload, FitResult]:
+        """One client's new state and result from its row of the batched round (as :meth:`fit` ends)."""
+        load_state(model, {k: t.state[k] for k in keys})
+        stats = {"loss": t.logs.get("loss", float("nan")), **{k: v for k, v in t.logs.items() if k != "loss"}}
+        new_state, result = self.finish(model, data.cid, state, data, stats, None)
+        if model.key is not None:
+            new_state["moco"] = {"key": {k: t.state["key." + k] for k in key_keys}, "queue": t.carry["queue"],
+                                 "ptr": int(t.carry["ptr"])}
+        return new_state, result
+
+    def _drawn_steps(self, plan: list[tuple[Phase, int]], data: ClientData) -> Iterator[tuple[int, Drawn]]:
+        """A client's steps over the round: (phase index, batch + its views' draws), drawn lazily in :meth:`fit`'s
+        order (an epoch's shuffle, then per batch the base view's, the query's and the key's draws)."""
+        p, pipe, gen = self.params, data.pipeline, data.generator
+        for i, (phase, epochs) in enumerate(plan):
+            for _ in range(epochs):
+                for batch in data.batches():
+                    shape = batch.x.shape
+                    base = [pipe.draw(n, shape, gen) for n in data.base_augment] if phase.ce else None
+                    query = key = None
+                    if phase.con:
+                        query, key = pipe.draw(p["moco_augment"], shape, gen), pipe.draw(p["moco_augment"], shape, gen)
+                    yield i, Drawn(batch.y, batch.x, base, query, key)
+
+    def _views_maker(self, pipe: Any, base_names: tuple[str, ...]) -> Any:
+        """The batched views of a group's stacked steps (clients x batch): one augmentation call for all."""
+        p = self.params
+
+        def make(step: Drawn) -> Views:
+            k, b = step.x.shape[:2]
+            flat = lambda t: t.flatten(0, 1) if isinstance(t, Tensor) else t  # noqa: E731
+            x = step.x.flatten(0, 1)
+            base = query = key = None
+            if step.base is not None:
+                base = x
+                for name, draws in zip(base_names, step.base, strict=True):
+                    base = pipe.apply(base, name, tree_map(flat, draws))
+            if step.query is not None:
+                query = pipe.apply(x, p["moco_augment"], tree_map(flat, step.query))
+                key = pipe.apply(x, p["moco_augment"], tree_map(flat, step.key))
+            back = lambda t: None if t is None else t.view(k, b, *t.shape[1:])  # noqa: E731
+            return Views(step.y, back(base), back(query), back(key))
+
+        return make
+
+    def _together_loss(self, phase: Phase) -> Any:
+        """One client's step under vmap: the summed loss, its MoCo queue after the enqueue, the logged losses."""
+
+        def loss(model: PFTModel, views: Views, carry: dict[str, Tensor]) -> tuple[Tensor, dict, dict]:
+            ce, con, key = self.branch_losses(model, phase, views, carry.get("queue"), foreach=False)
+            new_carry, logs = {}, {}
+            if key is not None:
+                new_carry["queue"], new_carry["ptr"] = enqueued(carry["queue"], carry["ptr"], key)
+            for name, v in ((f"ce_{phase.name}", ce), (f"con_{phase.name}", con), ("ce", ce), ("con", con)):
+                if v is not None:
+                    logs[name] = v
+            return sum(v for v in (ce, con) if v is not None), new_carry, logs
+
+        return loss
+
     def losses(self, model: PFTModel, phase: Phase, batch, data: ClientData,
                moco: dict | None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """(L_CE, L_Con, the batch's MoCo keys) of one step, each None where the phase has no such part."""
         p = self.params
         if data.augment is None and (data.base_augment or phase.con):
             raise ValueError("FedPFT makes its views with the run's augmentations: ClientData.augment is None")
-        ce = con = key = None
+        xw = x1 = x2 = None
         if phase.ce:
             xw = batch.x
             for name in data.base_augment:
                 xw = data.augment(xw, name)
-            with torch.set_grad_enabled(phase.net_ce):  # no graph through φ: BatchNorm still updates (§8 A22)
-                f = model.net(xw)
-            ce = F.cross_entropy(model.head(model.transform(f, model.p_kappa)).float(), batch.y)
         if phase.con:
             x1, x2 = data.augment(batch.x, p["moco_augment"]), data.augment(batch.x, p["moco_augment"])
+        return self.branch_losses(model, phase, Views(batch.y, xw, x1, x2), moco["queue"] if moco else None)
+
+    def branch_losses(self, model: PFTModel, phase: Phase, views: "Views", queue: Tensor | None,
+                      foreach: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """:meth:`losses` on views already made: nothing random (clients trained together run it under vmap,
+        ``foreach`` False). Updates the key encoder (EMA) and the BatchNorm statistics in place."""
+        p = self.params
+        ce = con = key = None
+        if phase.ce:
+            with torch.set_grad_enabled(phase.net_ce):  # no graph through φ: BatchNorm still updates (§8 A22)
+                f = model.net(views.base)
+            ce = F.cross_entropy(fp32(model.head(model.transform(f, model.p_kappa))), views.y)
+        if phase.con:
             with torch.set_grad_enabled(phase.net_con):
-                f1 = model.net(x1)
-            q = F.normalize(model.con_head(model.transform(f1, model.p_rho, phase.tau_con)).float(), dim=1)
+                f1 = model.net(views.query)
+            q = F.normalize(fp32(model.con_head(model.transform(f1, model.p_rho, phase.tau_con))), dim=1)
             with torch.no_grad():
-                momentum_update(model.key, model, float(p["moco_momentum"]))
-                key = model.key_features(x2)
-            con = moco_loss(q, key, moco["queue"], float(p["temperature"]))
+                momentum_update(model.key, model, float(p["moco_momentum"]), foreach)
+                key = model.key_features(views.key)
+            con = moco_loss(q, key, queue, float(p["temperature"]))
         return ce, con, key
 
 
@@ -242,7 +397,7 @@ class FedPFT(Method):
                 "tau_con_grad_task": True, "heads": 8, "tau_residual": False, "tau_norm": False,
                 "prompt_std": 0.02, "prompt_init": "per_client", "con_dim": 128, "queue_size": 65536,
                 "moco_momentum": 0.999, "temperature": 0.07, "key_encoder": "persistent",
-                "moco_augment": "moco_v1", "classifier": "global", "two_stage": None}
+                "moco_augment": "moco_v1", "classifier": "global", "two_stage": None, "client_batching": "auto"}
     param_rules = {"init": Choice(INITS), "n_kappa": Int(0), "n_rho": Int(0), "feature_epochs": Int(0),
                    "tau_lr": Number(0.0, lo_open=True), "tau_lr_no_con": Number(0.0, lo_open=True),
                    "contrastive": Flag(), "alternate": Flag(), "tau": Flag(), "tau_con_grad_task": Flag(),
@@ -250,7 +405,9 @@ class FedPFT(Method):
                    "prompt_init": Choice(("per_client", "identical")), "con_dim": Int(1), "queue_size": Int(1),
                    "moco_momentum": Number(0.0, 1.0), "temperature": Number(0.0, lo_open=True),
                    "key_encoder": Choice(("persistent", "resync")), "classifier": Choice(("global", "personal")),
-                   "two_stage": Int(1, optional=True), "moco_augment": Choice(AUGMENT_NAMES)}
+                   "two_stage": Int(1, optional=True),
+                   "moco_augment": Choice(AUGMENT_NAMES),
+                   "client_batching": Choice(("auto", "batched", "one_by_one"))}
     client_role = FedPFTClient
     strategy_role = FedPFTStrategy
     evaluator_role = PersonalEvaluator

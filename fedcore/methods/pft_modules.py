@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -10,6 +11,21 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 KEY_PARTS = ("net", "con_head")  # the MoCo key encoder: momentum copies of φ and h_ρ (spec §1.5)
+
+
+def fp32(t: Tensor) -> Tensor:
+    """A half-precision (autocast) tensor in fp32 for the losses; fp32 and fp64 stay as they are."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+class Views(NamedTuple):
+    """One step's inputs: labels, the base view (L_CE) and MoCo's query and key views (L_Con); None where the
+    phase has no such branch."""
+
+    y: Tensor
+    base: Tensor | None
+    query: Tensor | None
+    key: Tensor | None
 
 
 class Tau(nn.Module):
@@ -74,10 +90,14 @@ class PFTModel(nn.Module):
         (the prompts still do, through it)."""
         if self.tau is None:
             return f
-        if tau_grad:
-            return self.tau(f, prompts)
-        frozen = {n: p.detach() for n, p in self.tau.named_parameters()}
-        return functional_call(self.tau, frozen, (f, prompts))
+        # τ in fp32 also under CUDA autocast: it is tiny, and vmapped attention's backward fails in bf16 on CUDA
+        # (fedcore/engine/together.py, Limits), which the clients trained together would run into
+        with torch.autocast(f.device.type, enabled=False):
+            f = f.to(self.tau.attn.in_proj_weight.dtype)
+            if tau_grad:
+                return self.tau(f, prompts)
+            frozen = {n: p.detach() for n, p in self.tau.named_parameters()}
+            return functional_call(self.tau, frozen, (f, prompts))
 
     def features(self, x: Tensor) -> Tensor:
         """The transformed feature the classifier reads, τ([φ(x), p_κ])_0."""
@@ -89,17 +109,22 @@ class PFTModel(nn.Module):
 
     def key_features(self, x: Tensor) -> Tensor:
         """MoCo's key, normalised: h̃_ρ(τ([φ̃(x), p_ρ])_0) with the same τ and p_ρ as the query (spec §1.5)."""
-        return F.normalize(self.key["con_head"](self.transform(self.key["net"](x), self.p_rho)).float(), dim=1)
+        return F.normalize(fp32(self.key["con_head"](self.transform(self.key["net"](x), self.p_rho))), dim=1)
 
 
 @torch.no_grad()
-def momentum_update(key: nn.Module, model: nn.Module, m: float) -> None:
-    """MoCo's key update θ̃ ← m θ̃ + (1 − m) θ over the parameters of φ and h_ρ (buffers are the key's own)."""
+def momentum_update(key: nn.Module, model: nn.Module, m: float, foreach: bool = True) -> None:
+    """MoCo's key update θ̃ ← m θ̃ + (1 − m) θ over the parameters of φ and h_ρ (buffers are the key's own), in
+    place; ``foreach`` False: tensor by tensor, the same arithmetic (vmap has no batching rule for foreach ops)."""
     for part in KEY_PARTS:
         k = [p for p in key[part].parameters()]
         q = [p.detach() for p in getattr(model, part).parameters()]
-        torch._foreach_mul_(k, m)
-        torch._foreach_add_(k, q, alpha=1.0 - m)
+        if foreach:
+            torch._foreach_mul_(k, m)
+            torch._foreach_add_(k, q, alpha=1.0 - m)
+        else:
+            for a, b in zip(k, q, strict=True):
+                a.mul_(m).add_(b, alpha=1.0 - m)
 
 
 def moco_loss(q: Tensor, k: Tensor, queue: Tensor, temperature: float) -> Tensor:
@@ -118,3 +143,11 @@ def enqueue(queue: Tensor, ptr: int, keys: Tensor) -> int:
     cols = (ptr + n - len(kept) + torch.arange(len(kept), device=queue.device)) % size
     queue[:, cols] = kept.T.to(queue.dtype)
     return (ptr + n) % size
+
+
+def enqueued(queue: Tensor, ptr: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`enqueue` as a function (a new queue; ``ptr`` a tensor): what clients trained together run under vmap."""
+    size, n = queue.shape[1], len(keys)
+    kept = keys[-size:]
+    cols = (ptr + (n - len(kept)) + torch.arange(len(kept), device=queue.device)) % size
+    return queue.index_copy(1, cols, kept.T.to(queue.dtype)), (ptr + n) % size
