@@ -14,7 +14,9 @@ each client's complete state and the server state (both checkpointed every round
   state when ``keep_optimizer``), ``fit`` = ``start`` (load downlink, then own state) -> ``train`` (epochs of
   ``loss``) -> ``finish`` (new state + ``upload``). ``shared_keys``/``personal_keys`` split the model's
   state; ``augment`` names on-device training augmentations; ``batchable`` lets the engine train a round's
-  clients together (fedcore/engine/together.py) when the update is exactly ``train``'s default.
+  clients together (fedcore/engine/together.py) when the update is exactly ``train``'s default; a client with
+  its own update may train its clients together by overriding ``fit_together`` (and ``together_blocker``, which
+  says when it cannot: FedPFT's phases and MoCo state).
 * ``Evaluator``: ``load`` (the model that scores client ``cid``, or the global model), ``predict``,
   ``round_rows`` (extra per-round metrics for a paper's figures).
 
