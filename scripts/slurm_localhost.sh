@@ -37,12 +37,13 @@ PACKAGES=(slurm-wlm slurmdbd munge mariadb-server)
 say() { echo "slurm_localhost: $*"; }
 die() { echo "slurm_localhost: error: $*" >&2; exit 1; }
 
-# pid from a pid file, printed only when that process is alive
+# live_pid PIDFILE NAME: the pid in the file, printed only when that process is alive and is NAME
+# (pids wrap around quickly on a busy machine: a stale file may name someone else's process)
 live_pid() {
     local pid
     [[ -f $1 ]] || return 1
     pid=$(cat "$1" 2>/dev/null) || return 1
-    [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null && echo "$pid"
+    [[ -n $pid && $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]] && echo "$pid"
 }
 
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
@@ -141,7 +142,7 @@ EOF
 
 start_munge() {
     [[ -f /etc/munge/munge.key ]] || { mungekey --create --keyfile /etc/munge/munge.key && chown munge:munge /etc/munge/munge.key; }
-    if ! live_pid "$MUNGE_PID" >/dev/null; then
+    if ! live_pid "$MUNGE_PID" munged >/dev/null; then
         install -d -o munge -g munge -m 0755 /run/munge
         runuser -u munge -- /usr/sbin/munged
     fi
@@ -167,7 +168,7 @@ EOF
 start_slurm_daemon() {  # start_slurm_daemon NAME READY_COMMAND...
     local name=$1
     shift
-    if ! live_pid "$RUN_DIR/$name.pid" >/dev/null; then
+    if ! live_pid "$RUN_DIR/$name.pid" "$name" >/dev/null; then
         "/usr/sbin/$name"
     fi
     wait_for 60 "$name" "$@"
@@ -176,7 +177,7 @@ start_slurm_daemon() {  # start_slurm_daemon NAME READY_COMMAND...
 stop_slurm_daemons() {
     local pid
     for name in slurmd slurmctld slurmdbd; do
-        if pid=$(live_pid "$RUN_DIR/$name.pid"); then
+        if pid=$(live_pid "$RUN_DIR/$name.pid" "$name"); then
             say "stopping $name ($pid)"
             kill "$pid"
             for ((i = 0; i < 40; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
@@ -218,11 +219,11 @@ cmd_stop() {
     [[ $EUID -eq 0 ]] || die "run as root"
     stop_slurm_daemons
     local pid
-    if pid=$(live_pid "$DB_PID"); then
+    if pid=$(live_pid "$DB_PID" mariadbd); then
         say "stopping MariaDB ($pid)"
         mariadb-admin --socket="$DB_SOCKET" shutdown
     fi
-    if pid=$(live_pid "$MUNGE_PID"); then
+    if pid=$(live_pid "$MUNGE_PID" munged); then
         say "stopping munged ($pid)"
         kill "$pid"
     fi
@@ -231,7 +232,7 @@ cmd_stop() {
 cmd_status() {
     local pid
     for name in slurmdbd slurmctld slurmd; do
-        if pid=$(live_pid "$RUN_DIR/$name.pid"); then say "$name running ($pid)"; else say "$name stopped"; fi
+        if pid=$(live_pid "$RUN_DIR/$name.pid" "$name"); then say "$name running ($pid)"; else say "$name stopped"; fi
     done
     sinfo 2>&1 || true
 }

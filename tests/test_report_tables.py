@@ -44,7 +44,7 @@ def test_every_paper_table_and_figure_is_configured(mini):
     assert set(mini.figures) == {"sgpt_accuracy_per_round", "sgpt_fig1", "sgpt_fig3", "sgpt_fig4", "sgpt_fig5",
                                  "sgpt_fig6a", "sgpt_fig6b", "sgpt_fig7"}
     assert mini.tables["sgpt_table1"]["rows"] == ["head_tune", "fedvpt", "fedvpt_d", "fedmix", "pfedpg", "fedem",
-                                                  "fedpr", "sgpt"]
+                                                  "fedpr", "sgpt", "sgpt_code2024"]
     assert mini.tables["sgpt_table1"]["paper"]["sgpt"][1] == 84.64
 
 
