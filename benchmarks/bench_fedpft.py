@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fedpft.py                      # mini: resnet8_pft_mini, 8 clients x 30 images, batch 30
     python benchmarks/bench_fedpft.py --clients 40 --images 500 --batch 100 --arch resnet8_pft --side 32 \
-        --queue 65536 --epochs 2 --feature-epochs 1 --rounds 1  # paper shapes, 2 of the 5 local epochs
+        --queue 65536 --epochs 1 --feature-epochs 1 --rounds 1 --only fedpft  # paper shapes, 1 of the 5 epochs
 
 Prints sec/round for FedPFT (one by one, together), FedPFT w/o L_Con (both) and FedAvg (the engine's default
 update, one by one): the same clients, data and budget, after a warm-up round of two clients (torch's first
@@ -10,9 +10,22 @@ optimiser step imports ~5 s of modules once per process). ``--epochs`` below the
 round; the figure printed is per round of those epochs (multiply by 5 / epochs for a full round: every step of a
 phase costs the same). CUDA when present (synchronised around each round).
 
-Measured (CPU, one thread, shared 2-core machine: load average 12-14 from other jobs during the runs, so the
-absolute figures are ~3-5x a quiet machine's and only the ratios within one run compare):
-FIGURES
+Measured (CPU, one thread, the shared 2-core machine; "quiet": load average below 1, else the process's CPU time
+is the figure to compare):
+* mini (resnet8_pft_mini, 16 px, 8 clients x 30 images, batch 30, R = 5: 40 client steps), quiet machine, 3 runs:
+  one by one 0.84-1.25 s/round, together 0.70-0.90 s: 0.97x, 1.30x, 1.40x; FedPFT w/o L_Con (2 runs): 0.19-0.25 s
+  vs 0.17 s: 1.09x, 1.42x; FedAvg 0.27 s.
+* resnet8_pft_mini, 16 px, 40 clients x 500 images, batch 100, R = 1 (200 steps), quiet: 8.4 s vs 10.9 s: 0.77x.
+* paper shapes (resnet8_pft, 32 px, 40 clients x 500 images, batch 100, K = 65536), R = 1 (200 of a round's 1,000
+  client steps), load 5-10: process CPU 76.0 s (380 ms/step; wall 162 s) vs 188.9 s (945 ms/step; wall 300 s):
+  0.40x.
+
+So on the CPU batching is about even at mini (the run-to-run spread is as large as the gain) and 1.3-2.5x slower
+at larger shapes: the vmapped convolutions become grouped convolutions (per-client weights), slower on the CPU
+than the clients' plain ones, and the functional enqueue copies the 40 queues (1.3 GB at K = 65536) every step. ``client_batching: auto``
+therefore trains one by one on the CPU and together on CUDA (not measured here: no GPU was lent;
+benchmarks/bench_together.py measured 5.3x for the 40 ResNet-8 clients alone on an H100). A paper round on this CPU
+one by one: ~76 s x 5 = 380 s of CPU, so 1,000 rounds ~4.4 days a run.
 """
 from __future__ import annotations
 
@@ -117,8 +130,8 @@ def main() -> None:
         if args.only is not None and key not in args.only:
             continue
         secs = {mode: sec_per_round(name, params, mode, args, device) for mode in modes}
-        line = "  ".join(f"{'together' if m else 'one by one'} {w:8.2f} s/round, CPU {c:8.2f} s ({1000 * c / steps:6.1f} "
-                         "ms/step)" for m, (w, c) in secs.items())
+        line = "  ".join(f"{'together' if m else 'one by one'} {w:8.2f} s/round, CPU {c:8.2f} s "
+                         f"({1000 * c / steps:6.1f} ms/step)" for m, (w, c) in secs.items())
         ratio = (f"  speed-up wall {secs[False][0] / secs[True][0]:.2f}x, CPU {secs[False][1] / secs[True][1]:.2f}x"
                  if True in secs else "")
         print(f"{label:18s} {line}{ratio}", flush=True)

@@ -53,6 +53,28 @@ def test_cnn_clients_trained_together_on_cuda_equal_one_by_one():
             assert torch.allclose(sa[k].double(), sb[k].double(), atol=1e-4), k
 
 
+def test_fedpft_clients_train_together_on_cuda(tiny_run_files, tmp_path, caplog):
+    """FedPFT's batched round on CUDA (client_batching: auto picks it there): vmapped τ attention in fp32 under bf16
+    autocast, views made on the device; it runs, and its run resembles the one-by-one run (bf16 changes both)."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    runs = {}
+    for mode in ("auto", "one_by_one"):
+        params = {**run_params(rounds=2, participation=1.0, local_epochs=2),
+                  "method_params": {"queue_size": 32, "feature_epochs": 1, "client_batching": mode}}
+        runs[mode] = train_run(params, identity("fedpft"), tiny_run_files["dataset"], tiny_run_files["partition"],
+                               "resnet8_pft_mini", None, tmp_path / f"{mode}.parquet", tmp_path / f"{mode}.pt",
+                               device="cuda", progress=False)
+        validate_metrics(runs[mode].metrics, f"fedpft {mode}")
+    assert any("clients train together" in r.message for r in caplog.records)
+    a, b = (runs[m].client_states for m in ("auto", "one_by_one"))
+    assert all(a[c]["moco"]["ptr"] == b[c]["moco"]["ptr"] and a[c]["moco"]["queue"].is_cuda for c in b)
+    first = [runs[m].metrics.query("client == -1 and split == 'train' and metric == 'loss'")["value"].iloc[0]
+             for m in ("auto", "one_by_one")]
+    assert abs(first[0] - first[1]) < 0.05
+
+
 def test_select_queries_on_cuda_are_fp32(tiny_run_files, tmp_path):
     """SGPT's Select queries decide group assignments: on CUDA they are computed without bf16 (SGPT audit), so
     they equal the CPU's to fp32 kernel noise, far below bf16's ~1e-2 relative rounding."""

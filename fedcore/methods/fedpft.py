@@ -36,8 +36,8 @@ statistics, the key encoder (EMA in place under vmap, its own BatchNorm statisti
 enqueue as a function, :func:`pft_modules.enqueued`). Each client's views come from its own generator in the
 order of the one-by-one loop (an epoch's shuffle, then per batch the base view's, query's and key's draws), then
 one batched warp for all the group's images: the same random numbers, so the same client states up to float
-reassociation (float64: 1e-9). ``auto`` (default): together on CUDA, one by one on the CPU, where the vmapped
-convolutions cost more than the dispatch they save (benchmarks/bench_fedpft.py); ``batched`` / ``one_by_one`` force
+reassociation (float64: 1e-9). ``auto`` (default): together on CUDA, one by one on the CPU, where batching is
+about even at mini and slower at larger shapes (benchmarks/bench_fedpft.py); ``batched`` / ``one_by_one`` force
 one, and ``batched`` raises where it cannot run. τ runs in fp32 in both paths (autocast off: vmapped attention's
 backward fails in bf16 on CUDA).
 
@@ -139,8 +139,8 @@ class FedPFTClient(Client):
         if mode == "one_by_one":
             return "method_params client_batching: one_by_one"
         if mode == "auto" and not next(iter(self.method.models[0].parameters())).is_cuda:
-            return "client_batching: auto trains FedPFT's clients one by one on the CPU (faster there: " \
-                   "benchmarks/bench_fedpft.py)"
+            return "client_batching: auto trains FedPFT's clients one by one on the CPU (batching is not faster " \
+                   "there: benchmarks/bench_fedpft.py)"
         return None
 
     def _personal(self, key: str) -> bool:
