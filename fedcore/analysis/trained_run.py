@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
+from fedcore.engine.loop import to_device
 from fedcore.engine.optim import autocast_for
 from fedcore.engine.roles import Method, Payload
 
@@ -117,21 +118,11 @@ def load_trained_run(params: dict[str, Any], identity: dict[str, Any], dataset_p
     source = train if part.spec.get("test_from") == "train" else test
     train, train_idx = paired_split(train, part.train, part.train_images)
     source, test_idx = paired_split(source, part.test, part.test_images)
-    to_dev = lambda s: _to_device(s, dev)  # noqa: E731
+    to_dev = lambda s: to_device(s, dev)  # noqa: E731
     return TrainedRun(method, train, train_idx, source, test_idx,
                       InputPipeline(info["img_size"], info["mean"], info["std"]),
                       to_dev(final["server"]), {int(c): to_dev(s) for c, s in final["clients"].items()})
 
-
-def _to_device(state: Any, device: torch.device) -> Any:
-    """A nested state of tensors on ``device``."""
-    if isinstance(state, Tensor):
-        return state.to(device)
-    if isinstance(state, dict):
-        return {k: _to_device(v, device) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_to_device(v, device) for v in state]
-    return state
 
 
 def logged_final_accuracy(metrics_path: str | os.PathLike) -> dict[int, float]:

@@ -120,14 +120,14 @@ class Checkpoint:
         atomic_torch_save({**state, "fingerprint": self.fingerprint}, self.path)
 
 
-def _to_device(state: dict, device: torch.device) -> dict:
+def to_device(state: dict, device: torch.device) -> dict:
     """Move a (possibly nested) state of tensors to ``device``."""
     if isinstance(state, torch.Tensor):
         return state.to(device)
     if isinstance(state, dict):
-        return {k: _to_device(v, device) for k, v in state.items()}
+        return {k: to_device(v, device) for k, v in state.items()}
     if isinstance(state, list):
-        return [_to_device(v, device) for v in state]
+        return [to_device(v, device) for v in state]
     return state
 
 
@@ -173,7 +173,7 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
             strategy.setup(server, ups)
         state = {"round": 0, "server": server, "clients": {}, "rows": []}
     else:
-        state = _to_device(state, device)
+        state = to_device(state, device)
         log.info("resuming from round %d of %d", state["round"], rounds)
     clients: dict[int, Payload] = state["clients"]
 
