@@ -103,7 +103,8 @@ def _as_yaml_scalars(value: Any) -> Any:
 
 def apply_defaults(config: dict) -> dict:
     """The top-level config with schema defaults filled in and command-line values typed as in a config file."""
-    defaults = {"device": "auto", "results": "results", "resources": "resources", "threads_per_run": 1}
+    defaults = {"device": "auto", "results": "results", "resources": "resources", "threads_per_run": 1,
+                "outputs": "all", "allow_folder_layout": False}
     # Snakemake parses `--config seeds=[0,-1]` with YAML's BaseLoader, so every scalar in a list reaches us as
     # a string (['0', '-1']); read them as a config file's YAML would, so both spellings get the same checks
     # and messages ("-1 is less than the minimum of 0", not "'-1' is not of type 'integer'").
@@ -140,6 +141,10 @@ class Resolved:
     reports: dict[str, dict] = field(default_factory=dict)
     backbones: dict[str, dict] = field(default_factory=dict)
     checksums_path: Path | None = None
+    # the tables and figures the config's `outputs` picks (fedcore/selection.py), and the configured runs they
+    # read; None: every configured run (`outputs: all`)
+    outputs: list[str] = field(default_factory=list)
+    selected: set[tuple[str, str]] | None = None
     _scales: dict[str, "Resolved"] = field(default_factory=dict, repr=False, compare=False)  # at_scale's cache
 
     @property
@@ -152,10 +157,16 @@ class Resolved:
         """Seeds to run."""
         return list(self.top["seeds"])
 
-    def runs(self) -> list[dict[str, Any]]:
-        """One dict per training run: experiment, method, seed."""
+    def runs(self, selected_only: bool = True) -> list[dict[str, Any]]:
+        """One dict per training run: experiment, method, seed; the runs the chosen outputs read unless
+        ``selected_only`` is false (then every configured run)."""
         return [{"experiment": e, "method": m, "seed": s}
-                for e, exp in self.experiments.items() for m in exp["methods"] for s in self.seeds]
+                for e, exp in self.experiments.items() for m in exp["methods"] for s in self.seeds
+                if not selected_only or self.is_selected(e, m)]
+
+    def is_selected(self, experiment: str, method: str) -> bool:
+        """Whether a configured run is among those the chosen outputs read (always, with ``outputs: all``)."""
+        return self.selected is None or (experiment, method) in self.selected
 
     def datasets(self) -> list[str]:
         """Concrete datasets needed by the runs: each experiment's, and those a method reads besides (FedMD's
@@ -174,9 +185,9 @@ class Resolved:
 
     def partitions(self, run_only: bool = False) -> dict[tuple[str, str], dict]:
         """(dataset, partition id) -> validated partition spec; ``run_only``: only of experiments with runs at this
-        scale (a scale may run none of an experiment's methods)."""
-        return {(exp["dataset"], exp["partition_id"]): exp["partition"] for exp in self.experiments.values()
-                if exp["methods"] or not run_only}
+        scale (a scale may run none of an experiment's methods) among the chosen outputs' runs."""
+        return {(exp["dataset"], exp["partition_id"]): exp["partition"] for e, exp in self.experiments.items()
+                if not run_only or any(self.is_selected(e, m) for m in exp["methods"])}
 
     def base_method(self, method: str) -> str:
         """The registered method a run's method name executes (itself, or the variant's method)."""
@@ -283,7 +294,9 @@ class Resolved:
                     "dataset": x["dataset"], "rounds": x["federation"]["rounds"],
                     # a method's own budget where it differs (zs_clip: one round), so its runs are not "incomplete"
                     "method_rounds": {m: self.federation(e, m)["rounds"] for m in x["methods"]
-                                      if self.federation(e, m)["rounds"] != x["federation"]["rounds"]}}
+                                      if self.federation(e, m)["rounds"] != x["federation"]["rounds"]},
+                    # configured here but not read by the chosen outputs, so not run (cells say "not selected")
+                    "not_selected": [m for m in x["methods"] if not self.is_selected(e, m)]}
                 for e, x in self.experiments.items()}
 
 
@@ -494,7 +507,26 @@ def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolve
         for kind in ("tables", "figures"):
             for name in scale.get(kind, {}):
                 _check_name(name, set(getattr(resolved, kind)) - before[kind], str(scale_file), kind)
+    _select_outputs(resolved)
     return resolved
+
+
+def _select_outputs(resolved: Resolved) -> None:
+    """Pick the outputs the config's ``outputs`` names and the configured runs they read (fedcore/selection.py)."""
+    from fedcore.selection import chosen_outputs, output_runs
+
+    outputs = resolved.top["outputs"]
+    headline = {p: r["headline"] for p, r in resolved.reports.items()}
+    try:
+        chosen = chosen_outputs(outputs, headline, resolved.tables, resolved.figures)
+    except ValueError as e:
+        raise ConfigError(f"config error in {TOP_WHERE} at outputs: {e}") from e
+    resolved.outputs = list(chosen)
+    if outputs == "all":
+        resolved.selected = None
+        return
+    resolved.selected = set().union(*[output_runs(n, resolved.tables, resolved.figures, resolved.experiments, part)
+                                      for n, parts in chosen.items() for part in parts])
 
 
 def _check_mappings(scale: dict, scale_file: Path, backbones: dict, datasets) -> None:
@@ -585,7 +617,31 @@ def _load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: 
     tables = {n: resolved.tables[n] for n in report.get("tables", {})}
     figures = {n: resolved.figures[n] for n in report.get("figures", {})}
     _check_claims(report.get("claims", []), tables, figures, f"{report_file} (claims) after {scale_file}")
-    resolved.reports[paper] = {"tables": list(tables), "figures": list(figures), "claims": report.get("claims", [])}
+    _check_headline(report.get("headline", []), tables, figures, str(report_file))
+    resolved.reports[paper] = {"tables": list(tables), "figures": list(figures), "claims": report.get("claims", []),
+                               "headline": list(report.get("headline", []))}
+
+
+def _check_headline(items: list, tables: dict, figures: dict, where: str) -> None:
+    """Headline entries name this paper's tables or figures; a part (rows, columns) only of a table, by its row
+    keys and column labels or positions."""
+    from fedcore.selection import headline_item
+
+    for i, item in enumerate(items):
+        name, part = headline_item(item)
+        _check_name(name, [*tables, *figures], where, f"headline[{i}]")
+        if not part:
+            continue
+        if name not in tables:
+            raise ConfigError(f"config error in {where} at headline[{i}]: rows/columns select part of a table; "
+                              f"{name!r} is a figure")
+        for row in part.get("rows", []):
+            _check_name(row, tables[name]["rows"], where, f"headline[{i}].rows")
+        labels = [c["label"] for c in tables[name]["columns"]]
+        for col in part.get("columns", []):
+            if col not in labels and not (isinstance(col, int) and 0 <= col < len(labels)):
+                raise ConfigError(f"config error in {where} at headline[{i}].columns: {col!r} is neither a column "
+                                  f"label of {name} ({labels}) nor a position 0..{len(labels) - 1}")
 
 
 def _check_claims(claims: list[dict], tables: dict, figures: dict, where: str) -> None:

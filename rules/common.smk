@@ -92,11 +92,11 @@ def all_runs_metrics():
 
 
 def all_tables():
-    return [f"{RESULTS}/tables/{t}.{ext}" for t in CFG.tables for ext in ("md", "tex", "csv")]
+    return [f"{RESULTS}/tables/{t}.{ext}" for t in CFG.tables if t in CFG.outputs for ext in ("md", "tex", "csv")]
 
 
 def all_figures():
-    return [f"{RESULTS}/figures/{f}.{ext}" for f in CFG.figures for ext in ("png", "pdf")]
+    return [f"{RESULTS}/figures/{f}.{ext}" for f in CFG.figures if f in CFG.outputs for ext in ("png", "pdf")]
 
 
 def all_partition_summaries():

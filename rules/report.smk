@@ -4,7 +4,8 @@
 # `snakemake --report results/report.html` gathers every output wrapped in report(...) below into one HTML
 # page: a section (category) per paper with its Tables, Figures and Runs, and the Choices and deviations.
 from fedcore.report.html_pages import paper_title, report_caption
-from fedcore.report.inventory import configured_runs, method_labels
+from fedcore.report.inventory import configured_runs, method_labels, unbuilt_outputs
+from fedcore.data.sources import FOLDER_LAYOUT_DATASETS
 from fedcore.report.render import figure_input, personalized_flags, table_input
 
 # Report code every table and figure runs: an edit here rebuilds them (cheap), never a training run.
@@ -57,8 +58,9 @@ def figure_caption(wildcards):
 
 
 def paper_table_csvs(wildcards):
-    """The CSVs of a paper's tables (the inventory lists their cells without a number)."""
-    return [f"{RESULTS}/tables/{t}.csv" for t, x in CFG.tables.items() if x["source_paper"] == wildcards.paper]
+    """The CSVs of a paper's tables that this run builds (the inventory lists their cells without a number)."""
+    return [f"{RESULTS}/tables/{t}.csv" for t, x in CFG.tables.items()
+            if x["source_paper"] == wildcards.paper and t in CFG.outputs]
 
 
 def markdown_page_subcategory(wildcards):
@@ -102,12 +104,22 @@ def report_bundles(entry):
     return sorted({dataset_file(c) for c in entry["concrete"].values() if c is not None})
 
 
+def folder_layout_bundles(table):
+    """With allow_folder_layout, the bundles of the table's Office/DomainNet experiments: the table reads their
+    meta and marks cells built on image folders (without it such a bundle is refused, so nothing to read)."""
+    if not CFG.top["allow_folder_layout"] or table.get("kind", "metrics") != "metrics":
+        return []
+    datasets = {CFG.experiments[c["experiment"]]["dataset"] for c in table["columns"]}
+    return sorted(dataset_file(d) for d in datasets if d in FOLDER_LAYOUT_DATASETS)
+
+
 def table_inputs(wildcards):
     table = CFG.tables[wildcards.name]
     kind_input = table_input(table)
     if kind_input == "datasets":
         return {"datasets": report_bundles(table), "code": REPORT_CODE}
-    return {kind_input: report_data(wildcards.name, kind_input), "code": REPORT_CODE}
+    return {kind_input: report_data(wildcards.name, kind_input), "bundles": folder_layout_bundles(table),
+            "code": REPORT_CODE}
 
 
 def figure_inputs(wildcards):
@@ -195,6 +207,7 @@ rule run_inventory:
     params:
         runs=lambda wc: configured_runs(CFG, wc.paper),
         labels=lambda wc: method_labels(CFG, wc.paper),
+        unbuilt=lambda wc: unbuilt_outputs(CFG, wc.paper),
         scale=SCALE,
         report_caption=lambda wc: report_caption(
             f"{paper_title(wc.paper)}: which configured runs have metrics, which are incomplete or missing, and "

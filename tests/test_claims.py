@@ -175,7 +175,7 @@ def test_claim_errors_at_config_load_name_file_and_claim(tmp_path: Path):
     doc = yaml.safe_load(path.read_text())
     doc["claims"][0]["columns"] = ["C100 Global s=5O"]
     path.write_text(yaml.safe_dump(doc, allow_unicode=True))
-    top = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    top = {**yaml.safe_load((ROOT / "config" / "config.yaml").read_text()), "papers": ["sgpt"]}
     with pytest.raises(ConfigError, match=r"reports/sgpt.yaml \(claims\).*claims\[0\] \(t1_best_global_worst\): "
                                           r"columns: 'C100 Global s=5O' is not a column"):
         load_config(top, tmp_path)

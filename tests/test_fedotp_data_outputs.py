@@ -21,10 +21,10 @@ def cfgs():
     return {s: load_config({"scale": s, "seeds": [0], "papers": ["fedotp"]}, ROOT) for s in ("mini", "paper")}
 
 
-def test_config_has_every_run_group_and_keeps_fedotp_out_of_the_defaults(cfgs):
+def test_config_has_every_run_group_and_fedotp_is_in_the_default(cfgs):
     import yaml
 
-    assert "fedotp" not in yaml.safe_load((ROOT / "config" / "config.yaml").read_text())["papers"]
+    assert "fedotp" in yaml.safe_load((ROOT / "config" / "config.yaml").read_text())["papers"]
     paper = cfgs["paper"].experiments
     assert len([e for e in paper if e.startswith("otp_fewshot_")]) == 20  # A4: 4 datasets x 5 shot counts
     assert {paper[f"otp_c100_a{t}"]["partition"]["alpha"] for t in ("0p1", "0p3", "0p5", "1", "5", "10")} == \

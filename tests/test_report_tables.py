@@ -13,7 +13,7 @@ from fedcore.config import ConfigError, load_config
 from fedcore.report.tables import MISSING_RUN, OK, build_table, render_latex, render_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+DEFAULT = {**yaml.safe_load((ROOT / "config" / "config.yaml").read_text()), "papers": ["sgpt"], "outputs": "all"}
 
 
 @pytest.fixture(scope="module")
@@ -288,3 +288,32 @@ def test_client_list_columns_give_mean_and_std_over_those_clients():
     assert "35.00 ± 5.00" in md and "Columns A, Avg., gap: mean ± std over the column's clients" in md
     with pytest.raises(ValueError, match="not both"):
         build_table(metrics, {**cfg, "columns": [{**cols[0], "client": 0}]}, exps, "mini", {"m"})
+
+
+def test_cells_on_a_dataset_built_from_image_folders_are_marked(tmp_path):
+    """allow_folder_layout: the table reads the bundles' meta and marks cells of experiments whose dataset came
+    from image folders (our own split) with ¶ and a note; a bundle from the pickles leaves its cells unmarked."""
+    import numpy as np
+
+    from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
+    from fedcore.report.render import mark_folder_layout
+
+    def bundle(name, folder):
+        ds = ArrayDataset(x=np.zeros((2, 2, 2, 3), np.uint8), y=np.zeros(2, np.int64))
+        save_bundle(DatasetBundle(train=ds, test=ds, meta={"name": name, "folder_layout": folder}),
+                    tmp_path / f"{name}.npz")
+        return str(tmp_path / f"{name}.npz")
+
+    exps = {e: {"methods": ["m"], "report": {"window": "last", "rounds": 1}, "rounds": 10, "dataset": d}
+            for e, d in (("off", "office_caltech10"), ("dn", "domainnet"))}
+    marked = mark_folder_layout(exps, [bundle("office_caltech10", True), bundle("domainnet", False)])
+    assert marked["off"]["folder_layout"] and not marked["dn"]["folder_layout"]
+    assert mark_folder_layout(exps, []) is exps
+    metrics = pd.concat([metric_rows(e, "m", {(-1, "local", "acc_mean"): 0.5}) for e in exps])
+    cfg = {"caption": "c", "rows": ["m"], "paper": {},
+           "columns": [{"label": e, "experiment": e, "metric": "local_acc"} for e in exps]}
+    t = build_table(metrics, cfg, marked, "mini", {"m"})
+    assert t["folder_layout"].tolist() == [True, False]
+    md = render_markdown(t, cfg, "mini")
+    assert md.count("50.00¶") == 1 and "image folders" in md
+    assert r"\P{}" in render_latex(t, cfg, "mini")

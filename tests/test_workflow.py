@@ -60,6 +60,8 @@ def micro_copy(work: Path) -> Path:
     for item in ("Snakefile", "rules", "workflow", "config", "profiles", "fedcore", "DEVIATIONS.md"):
         src = ROOT / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
+    # SGPT alone, every table and figure: the micro run checks the machinery, not the default's selection
+    _edit_yaml(work / "config" / "config.yaml", lambda d: d.update(papers=["sgpt"], outputs="all"))
     _edit_yaml(work / "config" / "experiments" / "sgpt.yaml", _micro)
     _edit_yaml(work / "config" / "scales" / "mini.yaml", _micro_scale)
     _edit_yaml(work / "config" / "scales" / "mini" / "sgpt.yaml", _micro_sgpt_scale)

@@ -77,6 +77,17 @@ def save_bundle(bundle: DatasetBundle, path: str | Path) -> None:
             np.savez(fh, **arrays)
 
 
+def bundle_meta(path: str | Path) -> dict:
+    """A bundle's meta alone (the arrays are not read)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return json.loads(bytes(z["meta_json"]).decode())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"dataset file {path} does not exist; build it with the pipeline's data rules")
+    except Exception as err:  # noqa: BLE001 - zip, header and key errors alike mean it is not a readable bundle
+        raise ValueError(f"{path} is not a readable fedcore dataset bundle ({err})") from err
+
+
 def load_bundle(path: str | Path) -> DatasetBundle:
     """Read a bundle written by save_bundle, with a clear error if the file is missing, unreadable or not a bundle."""
     path = Path(path)

@@ -363,6 +363,10 @@ def _feature_shift(inputs: list[Path], what: str, domains: list[str], classes: l
                                "image_size": size, "folder_layout": first_pkl is None})
 
 
+# the datasets _feature_shift builds, which may come from image folders (allow_folder_layout)
+FOLDER_LAYOUT_DATASETS = ("office_caltech10", "domainnet")
+
+
 def office_caltech10(inputs: list[Path]) -> DatasetBundle:
     """Office-Caltech10 (FedBN preprocessed), 4 domains, 10 classes, domain = site index."""
     return _feature_shift(inputs, "office_caltech10", OFFICE_DOMAINS, OFFICE_CLASSES,

@@ -24,7 +24,8 @@ keys):
     within          |row − than| <= `tol` (or |row − `value`|) in every column of `columns`
 
 Every verdict compares the numbers as shown (rounded to the table's decimals). A needed cell without a number
-makes the verdict "runs missing" (the numbers present are still listed). Each claim is also checked on the
+makes the verdict "runs missing" (the numbers present are still listed), or "not selected" when every such cell's
+run is configured but outside the outputs the config picks (`outputs`). Each claim is also checked on the
 paper's own numbers (where the table holds them) to show that the predicate encodes the sentence faithfully.
 """
 from __future__ import annotations
@@ -35,9 +36,10 @@ from typing import Any
 
 import pandas as pd
 
-from fedcore.report.tables import OK, build_cell, build_table
+from fedcore.report.tables import NOT_SELECTED, OK, build_cell, build_table
 
 HOLDS, FAILS, MISSING = "holds", "does not hold", "runs missing"
+NOT_RUN = "not selected"  # its runs are configured but not read by the chosen outputs (config `outputs`)
 NO_PAPER_NUMBERS = "no paper numbers"
 NO_POINT = "no point"   # a sweep's series without a run at this setting: not part of that column
 
@@ -288,10 +290,12 @@ class Grid:
                 missing.setdefault(str(v), []).append(f"{lab} [{col}]")
         if missing:
             n, total = sum(map(len, missing.values())), len(set(self.used))
+            # every cell without a number is configured but outside the chosen outputs: say so, not "missing"
+            verdict = NOT_RUN if set(missing) == {NOT_SELECTED} else MISSING
             if n == total:   # nothing to list cell by cell
-                return Verdict(MISSING, f"none of the {total} cells has a number ({', '.join(missing)})", self.used)
+                return Verdict(verdict, f"none of the {total} cells has a number ({', '.join(missing)})", self.used)
             why = "; ".join(f"{status}: {', '.join(cells)}" for status, cells in missing.items())
-            return Verdict(MISSING, f"{n} of {total} cells have no number ({why})"
+            return Verdict(verdict, f"{n} of {total} cells have no number ({why})"
                            + (f"; on the others: {detail}" if detail else ""), self.used)
         return Verdict(HOLDS if ok else FAILS, detail, self.used)
 

@@ -4,7 +4,8 @@ missing, at the scale being built, and which table cells have no number and why.
 The CSV has one row per configured run:
 
     experiment, method, seed, scale     the run
-    status               present | incomplete (its last round is before the configured one) | missing
+    status               present | incomplete (its last round is before the configured one) | missing |
+                         not selected (configured, but no output the config's `outputs` picks reads it)
     rounds_configured    the run's budget (the method's own where it has one)
     last_round           the last round with a metric row (<NA> when missing)
     evaluated_rounds     rounds with an evaluation row (split global or local)
@@ -21,15 +22,24 @@ import pandas as pd
 from fedcore.io import atomic_path
 from fedcore.report.html_pages import page, paper_title, scale_caption
 
-PRESENT, INCOMPLETE, MISSING = "present", "incomplete", "missing"
+PRESENT, INCOMPLETE, MISSING, NOT_SELECTED = "present", "incomplete", "missing", "not selected"
 INVENTORY_COLUMNS = ["experiment", "method", "seed", "scale", "status", "rounds_configured", "last_round",
                      "evaluated_rounds"]
 
 
 def configured_runs(cfg, paper: str) -> list[dict[str, Any]]:
-    """The paper's runs at the config's scale: experiment, method, seed and the run's configured rounds."""
-    return [{**r, "rounds": int(cfg.federation(r["experiment"], r["method"])["rounds"])}
-            for r in cfg.runs() if cfg.experiments[r["experiment"]]["paper"] == paper]
+    """The paper's configured runs at the config's scale: experiment, method, seed, the run's configured rounds
+    and whether the chosen outputs read it (``selected``)."""
+    return [{**r, "rounds": int(cfg.federation(r["experiment"], r["method"])["rounds"]),
+             "selected": cfg.is_selected(r["experiment"], r["method"])}
+            for r in cfg.runs(selected_only=False) if cfg.experiments[r["experiment"]]["paper"] == paper]
+
+
+def unbuilt_outputs(cfg, paper: str) -> list[str]:
+    """The paper's tables and figures that the config's `outputs` leaves out."""
+    chosen = set(cfg.outputs)
+    return [n for n, x in [*cfg.tables.items(), *cfg.figures.items()]
+            if x.get("source_paper") == paper and n not in chosen]
 
 
 def method_labels(cfg, paper: str) -> dict[str, str]:
@@ -52,7 +62,8 @@ def build_inventory(metrics: pd.DataFrame, runs: list[dict[str, Any]], scale: st
     for r in runs:
         key = (r["experiment"], r["method"], int(r["seed"]))
         last = int(rounds[key]) if key in rounds.index else None
-        status = MISSING if last is None else (INCOMPLETE if last < int(r["rounds"]) else PRESENT)
+        status = (MISSING if r.get("selected", True) else NOT_SELECTED) if last is None \
+            else (INCOMPLETE if last < int(r["rounds"]) else PRESENT)
         rows.append({"experiment": key[0], "method": key[1], "seed": key[2], "scale": scale, "status": status,
                      "rounds_configured": int(r["rounds"]), "last_round": last,
                      "evaluated_rounds": int(evaluated.get(key, 0))})
@@ -78,22 +89,27 @@ def empty_cells(table_csvs: dict[str, str | os.PathLike]) -> pd.DataFrame:
 
 def _cell_text(run: pd.Series) -> str:
     """One run's cell in the per-experiment grid."""
-    if run["status"] == MISSING:
-        return "missing"
+    if run["status"] in (MISSING, NOT_SELECTED):
+        return run["status"]
     text = f"{run['last_round']}/{run['rounds_configured']} rounds, {run['evaluated_rounds']} evaluated"
     return text if run["status"] == PRESENT else f"incomplete: {text}"
 
 
 def render_inventory_html(inventory: pd.DataFrame, cells: pd.DataFrame, paper: str, scale: str,
-                          labels: dict[str, str] | None = None) -> str:
-    """The page: a summary line, one grid per experiment (methods x seeds) and the table cells without a number."""
+                          labels: dict[str, str] | None = None, unbuilt: list[str] | None = None) -> str:
+    """The page: a summary line, the outputs not built, one grid per experiment (methods x seeds) and the table
+    cells without a number."""
     esc = lambda t: html.escape(str(t), quote=False)  # noqa: E731
     labels = labels or {}
     counts = inventory["status"].value_counts()
     parts = [f"<h1>{esc(paper_title(paper))}: run inventory, scale {esc(scale)}</h1>",
              f'<p class="caption">{len(inventory)} configured runs: {int(counts.get(PRESENT, 0))} present, '
              f"{int(counts.get(INCOMPLETE, 0))} incomplete (last round before the configured one), "
-             f"{int(counts.get(MISSING, 0))} missing (no metrics). {esc(scale_caption(scale))}</p>"]
+             f"{int(counts.get(MISSING, 0))} missing (no metrics), {int(counts.get(NOT_SELECTED, 0))} not selected "
+             f"(no output the config's <code>outputs</code> picks reads them). {esc(scale_caption(scale))}</p>"]
+    if unbuilt:
+        parts.append(f"<p>Not built in this run (config <code>outputs</code>; <code>--config outputs=all</code> builds "
+                     f"them): {esc(', '.join(unbuilt))}.</p>")
     seeds = sorted(inventory["seed"].unique())
     for exp, grp in inventory.groupby("experiment", sort=False):
         head = "".join(f"<th>seed {s}</th>" for s in seeds)
@@ -127,10 +143,10 @@ def render_inventory_html(inventory: pd.DataFrame, cells: pd.DataFrame, paper: s
 
 def write_inventory(metrics_path: str | os.PathLike, runs: list[dict[str, Any]], table_csvs: dict[str, str],
                     paper: str, scale: str, out_html: str | os.PathLike, out_csv: str | os.PathLike,
-                    labels: dict[str, str] | None = None) -> None:
+                    labels: dict[str, str] | None = None, unbuilt: list[str] | None = None) -> None:
     """Read the metrics and the paper's table CSVs; write the inventory page and its CSV atomically."""
     inventory = build_inventory(pd.read_parquet(metrics_path), runs, scale)
-    body = render_inventory_html(inventory, empty_cells(table_csvs), paper, scale, labels)
+    body = render_inventory_html(inventory, empty_cells(table_csvs), paper, scale, labels, unbuilt)
     with atomic_path(Path(out_html)) as h, atomic_path(Path(out_csv)) as c:
         Path(h).write_text(page(f"{paper_title(paper)} run inventory", body), encoding="utf-8")
         Path(c).write_text(inventory.to_csv(index=False, lineterminator="\n"), encoding="utf-8")

@@ -149,8 +149,8 @@ def render_table(table_cfg: dict, inputs: Mapping[str, Any], out_md: str | os.Pa
             table = build_probe_table(read_probe_rows(path), table_cfg, context["experiments"], scale,
                                       set(context["implemented"]))
         else:
-            table = build_table(pd.read_parquet(path), table_cfg, context["experiments"], scale,
-                                set(context["implemented"]))
+            experiments = mark_folder_layout(context["experiments"], inputs.get("bundles", []))
+            table = build_table(pd.read_parquet(path), table_cfg, experiments, scale, set(context["implemented"]))
         write_table(table, table_cfg, scale, out_md, out_tex, out_csv, out_html)
         return
     if kind == "dataset_stats":
@@ -166,6 +166,18 @@ def render_table(table_cfg: dict, inputs: Mapping[str, Any], out_md: str | os.Pa
         from fedcore.report.html_pages import write_markdown_table_html
 
         write_markdown_table_html(Path(out_md).read_text(encoding="utf-8"), out_html, table_cfg["caption"])
+
+
+def mark_folder_layout(experiments: Mapping[str, dict], bundles) -> Mapping[str, dict]:
+    """The experiments' report view with ``folder_layout: true`` on those whose dataset bundle (among
+    ``bundles``) was built from image folders (the table marks their cells)."""
+    from fedcore.data.arrays import bundle_meta
+
+    paths = [bundles] if isinstance(bundles, (str, os.PathLike)) else list(bundles)
+    folder = {m.get("name") for m in map(bundle_meta, paths) if m.get("folder_layout")}
+    if not folder:
+        return experiments
+    return {e: {**x, "folder_layout": x["dataset"] in folder} for e, x in experiments.items()}
 
 
 def personalized_flags(methods: list[str], base_method) -> dict[str, bool | None]:

@@ -20,13 +20,14 @@ import pandas as pd
 
 from fedcore.io import atomic_path
 from fedcore.report.tables import (
-    MISSING_METRIC, MISSING_RUN, NOT_CONFIGURED, NOT_IMPLEMENTED, OK, PERCENT, build_table, metric_factor,
+    MISSING_METRIC, MISSING_RUN, NOT_CONFIGURED, NOT_IMPLEMENTED, NOT_SELECTED, OK, PERCENT, build_table,
+    metric_factor,
 )
 
 TOLERANCE = 1.5   # points, the "within 1.5 points of the paper's value"
 LARGEST = 10      # differences listed
 STATUS_COUNTS = {"with_run": OK, "missing_run": MISSING_RUN, "missing_metric": MISSING_METRIC,
-                 "not_configured": NOT_CONFIGURED, "not_implemented": NOT_IMPLEMENTED}
+                 "not_configured": NOT_CONFIGURED, "not_implemented": NOT_IMPLEMENTED, "not_selected": NOT_SELECTED}
 SCORE_COLUMNS = ["section", "scale", "table", "cells", "with_paper", *STATUS_COUNTS, "compared", "within_tol",
                  "row", "column", "ours", "paper", "diff"]
 
@@ -88,10 +89,12 @@ def render_scorecard_markdown(card: pd.DataFrame, paper: str, tol: float = TOLER
              f"Cells of the paper's result tables (kind metrics) per scale: configured, with the paper's number, "
              f"with a run (a number of ours), and why the rest have none. At scale paper, cells with both numbers "
              f"(in %) are compared: within = |ours − paper| <= {tol:g} points. At mini nothing is compared (the "
-             "paper's numbers are a layout reference only).", ""]
+             "paper's numbers are a layout reference only). 'Not selected': configured, but not run because no "
+             "output the config's `outputs` picks reads it (the default builds each paper's headline outputs; "
+             "`--config outputs=all` builds all).", ""]
     cells = card.loc[card["section"] == "cells"]
     head = ["table", "cells", "with paper", "with run", "missing run", "missing metric", "not configured",
-            "not implemented", "compared", f"within {tol:g}"]
+            "not implemented", "not selected", "compared", f"within {tol:g}"]
     keys = ["cells", "with_paper", *STATUS_COUNTS, "compared", "within_tol"]
     for scale, rows in cells.groupby("scale", sort=False):
         lines += [f"## Scale {scale}", ""]

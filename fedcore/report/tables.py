@@ -21,9 +21,11 @@
     untrained             the window's aggregate counted clients never sampled yet, scored with their initial
                           personalised model (e.g. a random head) (marked §); evaluation.untrained_clients:
                           exclude leaves them out instead
+    folder_layout         the experiment's dataset was built from image folders with our own train/test split,
+                          not the FedBN pickles (allow_folder_layout; marked ¶)
     paper                 the paper's number in % (NaN = the paper has no such cell)
     diff                  ours − paper in the metric's unit; only at scale 'paper', NaN otherwise
-    status                ok | not implemented | not configured | missing run | missing metric
+    status                ok | not implemented | not configured | missing run | missing metric | not selected
     scale, paper_role     the scale, and 'target' (paper) or 'layout reference only' (mini)
 
 The CSV written by `write_table` is exactly this frame, so it stays machine-readable.
@@ -45,10 +47,12 @@ NOT_IMPLEMENTED = "not implemented"
 NOT_CONFIGURED = "not configured"
 MISSING_RUN = "missing run"
 MISSING_METRIC = "missing metric"
+NOT_SELECTED = "not selected"
 
 SHORT_MARK = "†"
 INCOMPLETE_MARK = "‡"
 UNTRAINED_MARK = "§"
+FOLDER_MARK = "¶"
 NO_PAPER = "—"
 
 # Table metric shorthand -> (split, client, metric) in the long-form metrics.
@@ -92,12 +96,14 @@ STATUS_NOTES = {
     NOT_CONFIGURED: "not configured = the method is not in the experiment's methods",
     MISSING_RUN: "missing run = configured, but no metrics were found for it",
     MISSING_METRIC: "missing metric = the run exists but never wrote this metric",
+    NOT_SELECTED: ("not selected = configured, but not run: no output the config's `outputs` picks reads it "
+                   "(`--config outputs=all` runs every configured run)"),
 }
 
 TABLE_COLUMNS = [
     "row", "row_label", "column", "col_index", "experiment", "metric", "client", "window",
     "ours", "ours_std", "n_seeds", "rounds_used", "short_window", "incomplete", "untrained",
-    "paper", "diff", "status", "scale", "paper_role", "paper_std", "std_over",
+    "folder_layout", "paper", "diff", "status", "scale", "paper_role", "paper_std", "std_over",
 ]
 
 
@@ -259,7 +265,7 @@ def cell_status(method: str, exp_cfg: dict, run: pd.DataFrame, rows: pd.DataFram
     if method not in exp_cfg.get("methods", []):
         return NOT_CONFIGURED
     if run.empty:
-        return MISSING_RUN
+        return NOT_SELECTED if method in exp_cfg.get("not_selected", []) else MISSING_RUN
     if rows.empty:
         return MISSING_METRIC
     return OK
@@ -281,6 +287,7 @@ def build_cell(metrics: pd.DataFrame, method: str, col: dict, exp_cfg: dict, sca
         "window": describe_window(exp_cfg["report"]) if which is None else describe_round(which),
         "ours": math.nan, "ours_std": math.nan,
         "n_seeds": 0, "rounds_used": pd.NA, "short_window": False, "incomplete": False, "untrained": False,
+        "folder_layout": bool(exp_cfg.get("folder_layout", False)),
         "status": cell_status(method, exp_cfg, run, rows, implemented),
         "std_over": "clients" if clients else "seeds",
     }
@@ -368,7 +375,7 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
     return table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64",
                          "rounds_used": "Int64", "ours": "float64", "ours_std": "float64",
                          "paper": "float64", "diff": "float64", "paper_std": "float64", "short_window": "bool",
-                         "incomplete": "bool", "untrained": "bool"})
+                         "incomplete": "bool", "untrained": "bool", "folder_layout": "bool"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,6 +422,8 @@ def ours_text(cell: pd.Series, typical_seeds: int, decimals: int = 2) -> str:
         text += INCOMPLETE_MARK
     if cell.get("untrained", False):
         text += UNTRAINED_MARK
+    if cell.get("folder_layout", False):
+        text += FOLDER_MARK
     return text
 
 
@@ -499,6 +508,9 @@ def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) ->
     if "untrained" in table and table["untrained"].any():
         notes.append(f"{UNTRAINED_MARK} the aggregate counts clients never sampled by then, each scored with its "
                      "initial personalised model (evaluation.untrained_clients: exclude leaves them out).")
+    if "folder_layout" in table and table["folder_layout"].any():
+        notes.append(f"{FOLDER_MARK} the dataset was built from image folders with our own stratified 80/20 "
+                     "train/test split (allow_folder_layout: true), not the FedBN pickles the papers used.")
     present = [s for s in STATUS_NOTES if (table["status"] == s).any()]
     if present:
         notes.append("Empty cells: " + "; ".join(STATUS_NOTES[s] for s in present) + ".")
@@ -546,7 +558,8 @@ def render_markdown(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
 _TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
                 "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 _TEX_UNICODE = {"±": r"$\pm$", "—": "---", "−": "$-$", "Δ": r"$\Delta$", "✓": r"$\checkmark$",
-                SHORT_MARK: r"$^{\dagger}$", INCOMPLETE_MARK: r"$^{\ddagger}$", UNTRAINED_MARK: r"\S{}"}
+                SHORT_MARK: r"$^{\dagger}$", INCOMPLETE_MARK: r"$^{\ddagger}$", UNTRAINED_MARK: r"\S{}",
+                FOLDER_MARK: r"\P{}"}
 
 
 def latex_escape(text: str) -> str:

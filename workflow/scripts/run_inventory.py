@@ -12,4 +12,4 @@ p = snakemake.params
 tables = snakemake.input.tables
 tables = {Path(t).stem: t for t in ([tables] if isinstance(tables, str) else tables)}
 write_inventory(snakemake.input.metrics, p.runs, tables, snakemake.wildcards.paper, p.scale, snakemake.output.html,
-                snakemake.output.csv, p.labels)
+                snakemake.output.csv, p.labels, p.unbuilt)

@@ -1,0 +1,100 @@
+"""Which runs a table or figure reads, and the runs a choice of outputs needs (the config's ``outputs``).
+
+The default pipeline builds each paper's headline outputs only (``outputs: headline``, the ``headline:`` list of
+``config/reports/<paper>.yaml``), so that all four papers fit the default run's budget; ``outputs: all`` builds
+every table and figure, and a list of names builds those. Every experiment keeps its configured methods: a
+cell whose run is configured but not needed by the chosen outputs is *not selected* (the claim check and the
+scorecard say so), never silently absent.
+
+A run is an (experiment, method) pair; seeds multiply every run alike.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+Run = tuple[str, str]
+
+# data-only tables (they read dataset bundles or count parameters of architectures): no training run
+_NO_RUN_TABLES = {"param_count", "dataset_stats"}
+
+
+def table_runs(table: dict, part: Mapping[str, list] | None = None) -> set[Run]:
+    """(experiment, method) of every cell the table reads, configured or not; ``part`` may restrict it to some
+    ``rows`` (row keys) and ``columns`` (labels or 0-based positions)."""
+    if table.get("kind", "metrics") in _NO_RUN_TABLES:
+        return set()
+    from fedcore.report.tables import row_source
+
+    part = part or {}
+    sources = table.get("row_sources") or {}
+    rows = [r for r in table["rows"] if "rows" not in part or r in part["rows"]]
+    columns = [c for j, c in enumerate(table["columns"])
+               if "columns" not in part or j in part["columns"] or c["label"] in part["columns"]]
+    out = set()
+    for row in rows:
+        for col in columns:
+            if table.get("kind") == "linear_probe":  # a probe table's row reads its source's method
+                out.add((col["experiment"], sources.get(row, {}).get("method", row)))
+                continue
+            method, col = row_source(table, row, col)
+            out.add((col["experiment"], method))
+    return out
+
+
+def figure_runs(fig: dict, experiments: Mapping[str, dict]) -> set[Run]:
+    """(experiment, method) pairs a figure may read, configured or not: exact for sweeps and per-class lines,
+    otherwise every method it names in every experiment it names (an accuracy-per-round figure without a
+    ``methods`` list draws all its experiments' methods)."""
+    from fedcore.config import figure_experiments, figure_methods
+    from fedcore.report.tables import replace_experiment
+
+    kind = fig["kind"]
+    if kind == "sweep":
+        return {(p.get("experiment", fig["experiment"]), p["method"]) for s in fig["series"] for p in s["points"]}
+    if kind == "per_class":
+        out = {(p["experiment"], m) for p in fig["panels"] for m in fig.get("methods", [])}
+        out |= {(replace_experiment(p["experiment"], x.get("experiment_replace")), x["method"])
+                for p in fig["panels"] for x in fig.get("lines", [])}
+        return out
+    if kind in ("run_tsne", "attention"):
+        return {(p["experiment"], p["method"]) for p in fig["panels"]}
+    if kind == "accuracy_per_round" and "methods" not in fig:
+        return {(e, m) for e in fig["experiments"] for m in experiments[e]["methods"]}
+    methods = figure_methods(fig)
+    return {(e, m) for e in figure_experiments(fig) for m in methods}
+
+
+def output_runs(name: str, tables: Mapping[str, dict], figures: Mapping[str, dict],
+                experiments: Mapping[str, dict], part: Mapping[str, list] | None = None) -> set[Run]:
+    """The configured runs (method in the experiment's ``methods``) that the table or figure ``name`` reads (only
+    the table's ``part``, if given)."""
+    wanted = table_runs(tables[name], part) if name in tables else figure_runs(figures[name], experiments)
+    return {(e, m) for e, m in wanted if e in experiments and m in experiments[e]["methods"]}
+
+
+def headline_item(item: str | dict) -> tuple[str, dict | None]:
+    """(output name, the table part it restricts to or None) of one ``headline:`` entry."""
+    if isinstance(item, str):
+        return item, None
+    return item["output"], {k: item[k] for k in ("rows", "columns") if k in item}
+
+
+def chosen_outputs(outputs: str | list[str], headline: Mapping[str, list], tables: Iterable[str],
+                   figures: Iterable[str]) -> dict[str, list[dict | None]]:
+    """Output name -> the parts of it whose runs are trained (a part None: all of it), for what ``outputs``
+    picks: every output (``all``), the papers' headline lists (``headline``; an output listed twice trains the
+    union of its parts), or the names listed; an unknown name is an error naming the known ones."""
+    known = list(tables) + list(figures)
+    if outputs == "all":
+        return {n: [None] for n in known}
+    if outputs == "headline":
+        out: dict[str, list[dict | None]] = {}
+        for items in headline.values():
+            for item in items:
+                name, part = headline_item(item)
+                out.setdefault(name, []).append(part)
+        return out
+    unknown = [n for n in outputs if n not in known]
+    if unknown:
+        raise ValueError(f"outputs names {unknown}, which no loaded paper defines; tables and figures: {known}")
+    return {n: [None] for n in outputs}
