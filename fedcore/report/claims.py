@@ -39,6 +39,7 @@ import pandas as pd
 from fedcore.report.tables import NOT_SELECTED, OK, build_cell, build_table
 
 HOLDS, FAILS, MISSING = "holds", "does not hold", "runs missing"
+LISTED = 6  # at most this many "not selected" cells are named in a verdict's detail
 NOT_RUN = "not selected"  # its runs are configured but not read by the chosen outputs (config `outputs`)
 NO_PAPER_NUMBERS = "no paper numbers"
 NO_POINT = "no point"   # a sweep's series without a run at this setting: not part of that column
@@ -243,8 +244,9 @@ class Verdict:
         """'label [column] = 12.34; …' in the order used ('' when no cell has a number)."""
         if not any(isinstance(v, float) for _, _, v in self.numbers):
             return ""
+        # cells left out by the chosen outputs are counted in the detail, not listed one by one here
         return "; ".join(f"{lab} [{col}] = {v:.{decimals}f}" if isinstance(v, float) else f"{lab} [{col}] = {v}"
-                         for lab, col, v in self.numbers)
+                         for lab, col, v in self.numbers if v != NOT_SELECTED)
 
 
 class Grid:
@@ -294,7 +296,9 @@ class Grid:
             verdict = NOT_RUN if set(missing) == {NOT_SELECTED} else MISSING
             if n == total:   # nothing to list cell by cell
                 return Verdict(verdict, f"none of the {total} cells has a number ({', '.join(missing)})", self.used)
-            why = "; ".join(f"{status}: {', '.join(cells)}" for status, cells in missing.items())
+            # a long list of cells outside the chosen outputs says nothing a count does not
+            why = "; ".join(f"{status}: {len(cells)} cells" if status == NOT_SELECTED and len(cells) > LISTED
+                            else f"{status}: {', '.join(cells)}" for status, cells in missing.items())
             return Verdict(verdict, f"{n} of {total} cells have no number ({why})"
                            + (f"; on the others: {detail}" if detail else ""), self.used)
         return Verdict(HOLDS if ok else FAILS, detail, self.used)
