@@ -25,7 +25,7 @@ body { font-family: "DejaVu Sans", Helvetica, Arial, sans-serif; font-size: 13px
 p.caption { font-size: 14px; margin: 0 0 10px 0; max-width: 1100px; }
 table { border-collapse: collapse; margin: 6px 0 10px 0; }
 th, td { border: 1px solid #c8c8c8; padding: 2px 5px; }
-th { background: #eef1f5; font-weight: 600; text-align: center; }
+th { background: #eef1f5; font-weight: 600; text-align: center; white-space: nowrap; }
 td { text-align: right; white-space: nowrap; overflow-wrap: normal; }
 td.label, th.label, td:first-child, th:first-child { text-align: left; }
 td.attr { text-align: center; }
