@@ -1,6 +1,6 @@
 """pFedGate (FedPFT baseline): the block table and the knapsack selection against hand computations, the gated
 forward equal to the model with block-scaled parameters, one joint step of model and gating layer written out,
-client-level gate weights at evaluation, and 2-round runs."""
+evaluation's one knapsack on each client's mean gate score, and 2-round runs."""
 from __future__ import annotations
 
 import copy
@@ -110,21 +110,33 @@ def test_one_step_moves_model_and_gate_by_their_own_sgd_and_only_the_model_goes_
     assert state["optimizer"]["state"]                               # the gate's momentum is kept
 
 
-def test_evaluation_fixes_each_clients_weights_from_its_training_batches():
+def _two_batches() -> ClientData:
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(6, 3, 16, 16, generator=g), 3 * torch.randn(4, 3, 16, 16, generator=g) + 1]
+    bs = [Batch(x, torch.randint(C, (len(x),), generator=g), torch.arange(len(x)), {}) for x in xs]
+    return ClientData(0, 10, lambda: iter(bs), g)
+
+
+def test_evaluation_gates_each_client_by_one_knapsack_on_its_mean_eval_mode_score():
     method = _method()
     model = method.model.eval()
     server = method.strategy.init_state(2)
-    data = _data()
+    data = _two_batches()
     other = dict(method.client.init_state(1)["model"])
     other["gate.linear.weight"] = other["gate.linear.weight"] + 0.5 * torch.randn_like(other["gate.linear.weight"])
     states = [method.client.init_state(0), {"model": other}]
     fixed = []
     for c in range(2):
         method.evaluator.load(model, c, server, states[c], data)
-        assert model.mode == "fixed"
+        assert model.mode == "fixed" and not model.gate.training
         with torch.no_grad():
-            expected = model.block_weights(next(data.batches()).x)   # gate in eval mode, one batch: its weights
+            x = torch.cat([b.x for b in data.batches()])              # eval mode: per image, so one batch of all
+            expected = model.block_weights(x)
+            per_batch = [model.block_weights(b.x) for b in data.batches()]
         assert torch.allclose(model.fixed_weights, expected)
+        # the batches keep different blocks, so averaging their kept weights would blend sub-models
+        assert not torch.equal(per_batch[0] > 0, per_batch[1] > 0)
+        assert not torch.allclose(model.fixed_weights, torch.stack(per_batch).mean(0))
         fixed.append(model.fixed_weights.clone())
     assert not torch.equal(fixed[0], fixed[1])
     method.evaluator.load(model, None, server, None, None)
