@@ -527,6 +527,12 @@ def _select_outputs(resolved: Resolved) -> None:
 
     outputs = resolved.top["outputs"]
     headline = {p: r["headline"] for p, r in resolved.reports.items()}
+    if outputs == "headline":  # a paper without a list would silently build nothing
+        bare = [p for p in resolved.top["papers"] if not headline.get(p)]
+        if bare:
+            raise ConfigError(f"config error in {TOP_WHERE} at outputs: 'headline' builds each paper's headline: "
+                              f"list, but config/reports/<paper>.yaml of {bare} has none (add one, or use "
+                              "outputs=all or a list of names)")
     try:
         chosen = chosen_outputs(outputs, headline, resolved.tables, resolved.figures)
     except ValueError as e:

@@ -98,6 +98,12 @@ def _with_headline(tmp_path: Path, headline: list) -> Path:
     return tmp_path
 
 
+def test_headline_needs_every_papers_list(tmp_path):
+    root = _with_headline(tmp_path, [])
+    with pytest.raises(ConfigError, match=r"outputs: 'headline' builds .*\['sgpt'\] has none"):
+        load_config({"scale": "mini", "seeds": [0], "papers": ["sgpt"], "outputs": "headline"}, root)
+
+
 @pytest.mark.parametrize("headline, needle", [
     (["sgpt_table9"], "headline[0]: 'sgpt_table9' is not one of"),
     ([{"output": "sgpt_fig1", "columns": [0]}], "rows/columns select part of a table; 'sgpt_fig1' is a figure"),
