@@ -53,7 +53,8 @@ def linear_probe_files(name):
     for row in table["rows"]:
         method = sources.get(row, {}).get("method", row)
         for col in table["columns"]:
-            if method in CFG.experiments[col["experiment"]]["methods"]:
+            # configured and among the chosen outputs' runs (a headline part of the table trains only its cells)
+            if method in CFG.experiments[col["experiment"]]["methods"] and CFG.is_selected(col["experiment"], method):
                 out += [linear_probe_file(col["experiment"], method, s) for s in CFG.seeds]
     return list(dict.fromkeys(out))
 
