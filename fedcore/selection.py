@@ -18,11 +18,12 @@ Run = tuple[str, str]
 _NO_RUN_TABLES = {"param_count", "dataset_stats"}
 
 
-def table_runs(table: dict, part: Mapping[str, list] | None = None) -> set[Run]:
-    """(experiment, method) of every cell the table reads, configured or not; ``part`` may restrict it to some
-    ``rows`` (row keys) and ``columns`` (labels or 0-based positions)."""
+def table_run_list(table: dict, part: Mapping[str, list] | None = None) -> list[Run]:
+    """(experiment, method) of every cell the table reads, configured or not, in table order (rows, then
+    columns), each once; ``part`` may restrict it to some ``rows`` (row keys) and ``columns`` (labels or 0-based
+    positions)."""
     if table.get("kind", "metrics") in _NO_RUN_TABLES:
-        return set()
+        return []
     from fedcore.report.tables import row_source
 
     part = part or {}
@@ -30,15 +31,20 @@ def table_runs(table: dict, part: Mapping[str, list] | None = None) -> set[Run]:
     rows = [r for r in table["rows"] if "rows" not in part or r in part["rows"]]
     columns = [c for j, c in enumerate(table["columns"])
                if "columns" not in part or j in part["columns"] or c["label"] in part["columns"]]
-    out = set()
+    out: dict[Run, None] = {}
     for row in rows:
         for col in columns:
             if table.get("kind") == "linear_probe":  # a probe table's row reads its source's method
-                out.add((col["experiment"], sources.get(row, {}).get("method", row)))
+                out[(col["experiment"], sources.get(row, {}).get("method", row))] = None
                 continue
             method, col = row_source(table, row, col)
-            out.add((col["experiment"], method))
-    return out
+            out[(col["experiment"], method)] = None
+    return list(out)
+
+
+def table_runs(table: dict, part: Mapping[str, list] | None = None) -> set[Run]:
+    """The set of ``table_run_list``."""
+    return set(table_run_list(table, part))
 
 
 def figure_runs(fig: dict, experiments: Mapping[str, dict]) -> set[Run]:

@@ -3,6 +3,7 @@
 # the linear probe, its metrics, to check the rebuild), its data, partition and backbone, and the code that builds
 # and probes the model (engine + the method's files + the analysis files), so an edit of any reruns the probe.
 from fedcore.methods import method_sources as _pft_method_sources
+from fedcore.selection import table_run_list
 
 # the linear probe runs the first two files; the t-SNE and attention probes all four
 RUN_PROBE_CODE = [str(FEDCORE / "analysis" / f)
@@ -47,16 +48,9 @@ def linear_probe_file(exp, method, seed):
 def linear_probe_files(name):
     """The per-run probe CSVs a linear_probe table reads: every configured (row's method, column's experiment)
     run, every seed; cells of methods an experiment does not run read nothing (their status says so)."""
-    table = CFG.tables[name]
-    sources = table.get("row_sources") or {}
-    out = []
-    for row in table["rows"]:
-        method = sources.get(row, {}).get("method", row)
-        for col in table["columns"]:
-            # configured and among the chosen outputs' runs (a headline part of the table trains only its cells)
-            if method in CFG.experiments[col["experiment"]]["methods"] and CFG.is_selected(col["experiment"], method):
-                out += [linear_probe_file(col["experiment"], method, s) for s in CFG.seeds]
-    return list(dict.fromkeys(out))
+    # configured and among the chosen outputs' runs (a headline part of the table trains only its cells)
+    return [linear_probe_file(exp, method, s) for exp, method in table_run_list(CFG.tables[name])
+            if method in CFG.experiments[exp]["methods"] and CFG.is_selected(exp, method) for s in CFG.seeds]
 
 
 def linear_probe_inputs(wildcards):
