@@ -51,6 +51,24 @@ def test_the_knapsack_keeps_the_highest_scored_blocks_within_the_sparsity_budget
     assert torch.equal(select_blocks(scores, t, 1.0, 0.2), scores)   # s = 1: every block, its score
 
 
+def test_the_head_joins_no_knapsack_group_unless_prune_head():
+    # FedPFT's extractor has no nn.Linear but its head: the official linear budget would prune class rows
+    kept = _method().model.table
+    head = [i for i, n in enumerate(kept.names) if n.startswith("head.")]
+    first = [sum(len(s) for s in kept.sub_sizes[:i]) for i in range(len(kept.names))]
+    head_blocks = {first[i] + j for i in head for j in range(len(kept.sub_sizes[i]))}
+    assert kept.linear == () and not head_blocks & set(kept.other)
+    literal = _method(prune_head=True).model.table
+    assert set(literal.linear) == head_blocks - {first[i] for i in head}
+    assert literal.other == kept.other
+    # every head block keeps its (floored) score; under the literal rule some head row is zeroed
+    scores = torch.full((len(kept.sizes),), 0.5)
+    floor = min_factor(5, 0.5)
+    w = select_blocks(scores, kept, 0.5, floor)
+    assert all(w[b] == 0.5 for b in head_blocks)
+    assert any(select_blocks(scores, literal, 0.5, floor)[b] == 0 for b in head_blocks)
+
+
 def _method(arch: str = "resnet8_pft_mini", **params) -> PFedGate:
     torch.manual_seed(0)
     return PFedGate(prompt_adapter(build_backbone(arch)), C, params)
