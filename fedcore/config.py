@@ -789,12 +789,7 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
         if "clients" in col and col["metric"] != "client_acc":
             raise ConfigError(f"config error in {where} at columns[{i}]: 'clients' goes with metric client_acc, "
                               f"not {col['metric']!r}")
-    for key in ("paper", "paper_std"):
-        for row, values in table.get(key, {}).items():
-            _check_name(row, table["rows"], where, f"{key}.{row}")
-            if len(values) != len(table["columns"]):
-                raise ConfigError(f"config error in {where} at {key}.{row}: {len(values)} values for "
-                                  f"{len(table['columns'])} columns")
+    _check_paper_rows(table, where)
     attrs = table.get("row_attributes")
     if attrs:
         for row, values in attrs["values"].items():
@@ -802,6 +797,16 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
             if len(values) != len(attrs["columns"]):
                 raise ConfigError(f"config error in {where} at row_attributes.values.{row}: {len(values)} values "
                                   f"for {len(attrs['columns'])} columns")
+
+
+def _check_paper_rows(table: dict, where: str) -> None:
+    """The paper's numbers (and stds) name table rows and give one value per column."""
+    for key in ("paper", "paper_std"):
+        for row, values in table.get(key, {}).items():
+            _check_name(row, table["rows"], where, f"{key}.{row}")
+            if len(values) != len(table["columns"]):
+                raise ConfigError(f"config error in {where} at {key}.{row}: {len(values)} values for "
+                                  f"{len(table['columns'])} columns")
 
 
 def _check_probe_table(table: dict, experiments: dict, where: str, runnable: set[str]) -> None:
@@ -815,12 +820,7 @@ def _check_probe_table(table: dict, experiments: dict, where: str, runnable: set
             _check_name(row, runnable, where, f"rows[{i}]")
     for i, col in enumerate(table["columns"]):
         _check_name(col["experiment"], experiments, where, f"columns[{i}].experiment")
-    for key in ("paper", "paper_std"):
-        for row, values in table.get(key, {}).items():
-            _check_name(row, table["rows"], where, f"{key}.{row}")
-            if len(values) != len(table["columns"]):
-                raise ConfigError(f"config error in {where} at {key}.{row}: {len(values)} values for "
-                                  f"{len(table['columns'])} columns")
+    _check_paper_rows(table, where)
 
 
 def _check_param_table(table: dict, experiments: dict, where: str, runnable: set[str]) -> None:

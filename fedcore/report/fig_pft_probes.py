@@ -35,6 +35,17 @@ def _grid(n: int, cols: int, panel: tuple[float, float]):
     return fig, axes.ravel()
 
 
+def _drawable(axes, panels: list[dict], missing: list[tuple[str, str]]):
+    """(index, axis, panel) of each panel with data; the others are titled, marked empty and noted in ``missing``."""
+    for i, (ax, p) in enumerate(zip(axes, panels)):
+        ax.set_title(p["label"], fontsize="medium")
+        if p["status"] != OK:
+            mark_empty(ax, p["status"])
+            missing.append((p["label"], f"{p['method']}: {p['status']}"))
+            continue
+        yield i, ax, p
+
+
 def tsne_runs_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict, scale: str) -> Figure:
     """One t-SNE panel per run: colour = class, marker = client; with ``centroids``, each client's class centroid
     (mean of its t-SNE points) drawn large (Fig. 3)."""
@@ -44,13 +55,8 @@ def tsne_runs_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict, s
                     or [0])
     colors = _class_colors(max(n_classes, 1))
     n_clients = max([p.get("clients", 0) for p in panels] or [0])
-    missing = []
-    for i, (ax, p) in enumerate(zip(axes, panels)):
-        ax.set_title(p["label"], fontsize="medium")
-        if p["status"] != OK:
-            mark_empty(ax, p["status"])
-            missing.append((p["label"], f"{p['method']}: {p['status']}"))
-            continue
+    missing: list[tuple[str, str]] = []
+    for i, ax, _ in _drawable(axes, panels, missing):
         emb, labels, clients = arrays[f"emb_{i}"], arrays[f"labels_{i}"], arrays[f"clients_{i}"]
         for c in np.unique(clients):
             sel = clients == c
@@ -80,13 +86,8 @@ def attention_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict, s
     weight of τ's output token (rows sum to 1)."""
     panels = meta["panels"]
     fig, axes = _grid(len(panels), int(fig_cfg.get("cols", 3)), (4.2, 3.6))
-    missing = []
-    for i, (ax, p) in enumerate(zip(axes, panels)):
-        ax.set_title(p["label"], fontsize="medium")
-        if p["status"] != OK:
-            mark_empty(ax, p["status"])
-            missing.append((p["label"], f"{p['method']}: {p['status']}"))
-            continue
+    missing: list[tuple[str, str]] = []
+    for i, ax, p in _drawable(axes, panels, missing):
         w = arrays[f"weights_{i}"]
         ax.set_title(f"{p['label']} ({w.shape[0]} images)", fontsize="medium")  # a client may hold fewer
         im = ax.imshow(w, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")

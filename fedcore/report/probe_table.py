@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from fedcore.report.tables import (MISSING_METRIC, MISSING_RUN, NOT_CONFIGURED, NOT_IMPLEMENTED, OK, PAPER_ROLE,
-                                   PERCENT, TABLE_COLUMNS, _paper_numbers, mean_std)
+                                   PERCENT, TABLE_COLUMNS, _paper_numbers, check_scale_and_columns, mean_std)
 
 WINDOW = "final round"
 READ_COLUMNS = ["experiment", "method", "scale", "seed", "client", "feature", "measure", "value"]  # what a cell reads
@@ -51,11 +51,7 @@ def probe_cell(rows: pd.DataFrame, method: str, feature: str, measure: str, expe
 def build_probe_table(rows: pd.DataFrame, table_cfg: dict, experiments: dict[str, dict], scale: str,
                       implemented: set[str]) -> pd.DataFrame:
     """One row per table cell in ``fedcore.report.tables``' long form (client -1, window 'final round')."""
-    if scale not in PAPER_ROLE:
-        raise ValueError(f"unknown scale {scale!r}; expected one of {sorted(PAPER_ROLE)}")
-    for col in table_cfg["columns"]:
-        if col["experiment"] not in experiments:
-            raise ValueError(f"column {col.get('label')!r}: unknown experiment {col['experiment']!r}")
+    check_scale_and_columns(table_cfg, experiments, scale)
     labels = table_cfg.get("row_labels") or {}
     records = []
     for row in table_cfg["rows"]:

@@ -346,14 +346,20 @@ def replace_experiment(experiment: str, replace: list[str] | None) -> str:
     return experiment.replace(replace[0], replace[1])
 
 
-def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, dict], scale: str,
-                implemented_methods: set[str]) -> pd.DataFrame:
-    """One row per table cell, in table order, with our number, the paper's, the diff and a status."""
+def check_scale_and_columns(table_cfg: dict, experiments: dict[str, dict], scale: str) -> None:
+    """Fail on an unknown scale or a column naming an unknown experiment, before any work."""
     if scale not in PAPER_ROLE:
         raise ValueError(f"unknown scale {scale!r}; expected one of {sorted(PAPER_ROLE)}")
     for col in table_cfg["columns"]:
         if col["experiment"] not in experiments:
             raise ValueError(f"column {col.get('label')!r}: unknown experiment {col['experiment']!r}")
+
+
+def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, dict], scale: str,
+                implemented_methods: set[str]) -> pd.DataFrame:
+    """One row per table cell, in table order, with our number, the paper's, the diff and a status."""
+    check_scale_and_columns(table_cfg, experiments, scale)
+    for col in table_cfg["columns"]:
         metric_key(col)  # fail on a bad metric, client list or round before any work
         column_clients(col)
         check_round(col)
