@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedcore.io import atomic_path
+from fedcore.report.plotting import set_caption
 from fedcore.report.tables import PERCENT, metric_factor, metric_key
 
 PNG_DPI = 150
@@ -145,9 +146,9 @@ def make_figure(metrics: pd.DataFrame, fig_cfg: dict, scale: str | None = None,
     for ax in axes[:len(panels)]:
         for line in ax.get_lines():
             handles.setdefault(line.get_label(), line)
-    if handles:  # right of the panels: a legend inside a panel covers its curves
-        fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize="small")
-    fig.suptitle(fig_cfg.get("caption", ""), fontsize="medium")
+    if handles:  # right of the panels (a legend inside a panel covers its curves), below the caption
+        fig.legend(list(handles.values()), list(handles), loc="outside right center", fontsize="small")
+    set_caption(fig, fig_cfg.get("caption", ""))
     return fig
 
 
