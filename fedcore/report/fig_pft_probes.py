@@ -35,15 +35,18 @@ def _grid(n: int, cols: int, panel: tuple[float, float]):
     return fig, axes.ravel()
 
 
-def _drawable(axes, panels: list[dict], missing: list[tuple[str, str]]):
-    """(index, axis, panel) of each panel with data; the others are titled, marked empty and noted in ``missing``."""
+def _split_panels(axes, panels: list[dict]) -> tuple[list[tuple[int, object, dict]], list[tuple[str, str]]]:
+    """Title every panel; mark those without data empty. Returns (index, axis, panel) of the drawable ones and
+    (label, reason) of the others, for the figure's "Not drawn" note."""
+    drawable, missing = [], []
     for i, (ax, p) in enumerate(zip(axes, panels)):
         ax.set_title(p["label"], fontsize="medium")
-        if p["status"] != OK:
+        if p["status"] == OK:
+            drawable.append((i, ax, p))
+        else:
             mark_empty(ax, p["status"])
             missing.append((p["label"], f"{p['method']}: {p['status']}"))
-            continue
-        yield i, ax, p
+    return drawable, missing
 
 
 def tsne_runs_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict, scale: str) -> Figure:
@@ -55,8 +58,8 @@ def tsne_runs_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict, s
                     or [0])
     colors = _class_colors(max(n_classes, 1))
     n_clients = max([p.get("clients", 0) for p in panels] or [0])
-    missing: list[tuple[str, str]] = []
-    for i, ax, _ in _drawable(axes, panels, missing):
+    drawable, missing = _split_panels(axes, panels)
+    for i, ax, _ in drawable:
         emb, labels, clients = arrays[f"emb_{i}"], arrays[f"labels_{i}"], arrays[f"clients_{i}"]
         for c in np.unique(clients):
             sel = clients == c
@@ -86,8 +89,8 @@ def attention_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict, s
     weight of τ's output token (rows sum to 1)."""
     panels = meta["panels"]
     fig, axes = _grid(len(panels), int(fig_cfg.get("cols", 3)), (4.2, 3.6))
-    missing: list[tuple[str, str]] = []
-    for i, ax, p in _drawable(axes, panels, missing):
+    drawable, missing = _split_panels(axes, panels)
+    for i, ax, p in drawable:
         w = arrays[f"weights_{i}"]
         ax.set_title(f"{p['label']} ({w.shape[0]} images)", fontsize="medium")  # a client may hold fewer
         im = ax.imshow(w, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
