@@ -14,7 +14,7 @@ This module reads a resolved configuration (``fedcore.config.Resolved``) but imp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -74,7 +74,7 @@ _PFT = ("DEVIATIONS.md § Measurements, GPU table: `python benchmarks/bench_toge
         "ResNets' (assumed)")
 
 #: (arch class, batch) -> measured throughput. A run's (arch class, batch) takes the entry of the largest measured
-#: batch not above its own (a smaller batch is slower per image), else the smallest measured one.
+#: batch not above its own (a smaller batch is slower per image), else the smallest one's step time (rate_for).
 RATES: dict[tuple[str, int], Rate] = {
     ("vit_s16", 16): Rate(630.0, 16, "fedhpl", 1639.0 / 630.0, _HPL_VIT),
     ("vit_b16", 16): Rate(621.0, 16, "fedhpl", _VIT_B_EVAL, _HPL_VIT),
@@ -92,6 +92,10 @@ RATES: dict[tuple[str, int], Rate] = {
     # one stage more than ResNet-8 in a launch-bound step: 25 % more time, assumed (not measured)
     ("resnet10_pft", 100): Rate(40 * 25 * 100 / 5.19 / 1.25, 100, "fedavg", _RESNET_EVAL,
                                 "assumed: ResNet-8's figure (above) with 25 % more time a step", side=32),
+    # pFedPT's own ViT (8 blocks of width 128 on 64 tokens of a 32-px image), trained whole from scratch: as small
+    # as ResNet-8, so a step is assumed to take ResNet-8's launch-bound 5.19 ms (not measured)
+    ("small_32px", 100): Rate(40 * 25 * 100 / 5.19, 100, "fedavg", _RESNET_EVAL,
+                              "assumed: ResNet-8's step time (above) for a network of its size at 32 px"),
 }
 
 #: cost of a method's local update per image relative to FedHPL's on the same ViT, from one table (ViT-B/16, batch
@@ -129,6 +133,8 @@ def arch_class(arch: str) -> str:
 
     info = arch_info(arch)
     if info["family"] == "vit":
+        if info["dim"] <= 192:   # a small ViT of its own (pFedPT's), not a ViT-S/16 at 224 px
+            return "small_32px"
         return "vit_s16" if info["dim"] <= 384 else "vit_b16" if info["dim"] <= 768 else "vit_l16"
     if info["family"] == "clip" and info["dim"] <= 512:
         return "clip_b16"
@@ -139,13 +145,18 @@ def arch_class(arch: str) -> str:
 
 
 def rate_for(cls: str, batch: int) -> Rate:
-    """The measured rate of arch class ``cls`` at the largest measured batch not above ``batch`` (else the
-    smallest)."""
+    """The rate of arch class ``cls`` at ``batch``: the entry of the largest measured batch not above it; below
+    every measured batch, the smallest one's with its step time kept (images/s scaled by the batch ratio: a small
+    batch is launch-bound)."""
     batches = sorted(b for c, b in RATES if c == cls)
     if not batches:
         raise KeyError(f"no measured throughput for arch class {cls!r} in fedcore/estimate.py RATES")
     below = [b for b in batches if b <= batch]
-    return RATES[cls, below[-1] if below else batches[0]]
+    if below:
+        return RATES[cls, below[-1]]
+    r = RATES[cls, batches[0]]
+    return replace(r, images_per_s=r.images_per_s * batch / r.batch, batch=batch,
+                   source=f"{r.source}; at batch {batch}: its step time kept")
 
 
 # ---- a run's shape: what its time depends on ------------------------------------------------------------------
