@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +95,7 @@ RATES: dict[tuple[str, int], Rate] = {
     # pFedPT's own ViT (8 blocks of width 128 on 64 tokens of a 32-px image), trained whole from scratch: as small
     # as ResNet-8, so a step is assumed to take ResNet-8's launch-bound 5.19 ms (not measured)
     ("small_32px", 100): Rate(40 * 25 * 100 / 5.19, 100, "fedavg", _RESNET_EVAL,
-                              "assumed: ResNet-8's step time (above) for a network of its size at 32 px"),
+                              "assumed: ResNet-8's step time (above) for a network of its size at 32 px", side=32),
 }
 
 #: cost of a method's local update per image relative to FedHPL's on the same ViT, from one table (ViT-B/16, batch
@@ -285,21 +285,28 @@ def _steps_images(n: int, batch: int) -> int:
     return math.ceil(n / batch) * batch if n else 0
 
 
+def _fedrep_cost(shape: RunShape, rate: Rate) -> float:
+    """FedRep's epochs per local epoch: its head epochs (a forward through the frozen rest, then the head), then its
+    body epochs (fedcore/methods/fedrep.py ``epochs``)."""
+    p, e = shape.params, shape.local_epochs
+    body = int(p["body_epochs"])
+    head = max(e - body, 1) if p["head_epochs"] is None else int(p["head_epochs"])
+    return (head / rate.eval_ratio + body) / e
+
+
 def _method_cost(shape: RunShape, rate: Rate, cls: str) -> float:
     """Seconds per image of the run's local update on arch class ``cls``, relative factors included."""
     m, p = shape.method, shape.params
     factor = VIT_METHOD_COST.get(m, 1.0) if cls.startswith("vit") else 1.0
     # passes per image beyond the measured update, read from each method's code
-    extra: dict[str, Callable[[], float]] = {
-        "fedem": lambda: 4 / 3 * int(p["components"]),   # M components, each also scored without gradient (q)
-        "fedpft": lambda: 3.0,                          # φ three times a step: base view, MoCo query and key
-        # head epochs (a forward through the frozen rest), then body epochs
-        "fedrep": lambda: (lambda h, b: (h / rate.eval_ratio + b) / shape.local_epochs)(
-            max(shape.local_epochs - int(p["body_epochs"]), 1) if p["head_epochs"] is None else int(p["head_epochs"]),
-            int(p["body_epochs"])),
-        "pfedsd": lambda: 4 / 3,                        # the teacher's forward on every batch
-    }
-    factor *= extra[m]() if m in extra else 1.0
+    if m == "fedem":
+        factor *= 4 / 3 * int(p["components"])   # M components, each also scored without gradient (its q)
+    elif m == "fedpft":
+        factor *= 3.0                            # φ three times a step: the base view, MoCo's query and key
+    elif m == "pfedsd":
+        factor *= 4 / 3                          # the teacher's forward on every batch
+    elif m == "fedrep":
+        factor *= _fedrep_cost(shape, rate)
     pixels = (shape.side / rate.side) ** 2 if rate.side != 224 else 1.0   # FedPFT's extractors at the data's side
     return factor * max(pixels, 1.0) / rate.images_per_s
 
@@ -315,10 +322,11 @@ def estimate(shape: RunShape) -> Estimate:
         rate = rate_for(cls, shape.batch)
         taken = shape.rounds * shape.per_round / n       # rounds client c takes part in, on average
         fwd = 1.0 / (rate.images_per_s * rate.eval_ratio)   # seconds per image of a forward-only pass
-        if shape.frozen_features:   # features of the client's images once, then only a head trains and scores
-            evals += (size + (scored if c == 0 else 0)) * fwd
+        if shape.frozen_features:   # features of the images once, then only a head trains and scores
             train += taken * epochs * _steps_images(size, shape.batch) / HEAD_ONLY_IMAGES_PER_S
-            evals += shape.evaluated_rounds * scored / HEAD_ONLY_IMAGES_PER_S if c == 0 else 0.0
+            evals += size * fwd
+            if c == 0:
+                evals += scored * fwd + shape.evaluated_rounds * scored / HEAD_ONLY_IMAGES_PER_S
             continue
         train += taken * epochs * _steps_images(size, shape.batch) * _method_cost(shape, rate, cls)
         if shape.method in UPLOAD_PASS:
