@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the smoke sample: one small output per paper that trains its paper-scale backbones (SGPT's ViT-B ablation,
@@ -69,6 +69,7 @@ class Result:
     log: str | None = None
     detail: str = ""
     output: list[str] = field(default_factory=list)   # a benchmark's printed figures
+    log_tail: list[str] = field(default_factory=list)  # a failed or timed-out step's last log lines
 
 
 def _config_args(config: dict[str, Any]) -> list[str]:
@@ -222,8 +223,19 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_phase(steps: list[Step], logs: Path) -> list[Result]:
-    """Run the steps side by side, each to its end or its timeout."""
+def _last_lines(path: Path, n: int = 30) -> list[str]:
+    """The last ``n`` lines of a log."""
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
+def run_phase(steps: list[Step], logs: Path, on_tick: Callable[[list[Result]], None] | None = None,
+              tick_s: float = 15.0) -> list[Result]:
+    """Run the steps side by side, each to its end or its timeout; every ``tick_s`` seconds ``on_tick`` gets the
+    results so far, the steps still running as status 'running' (so that a check killed from outside leaves a
+    summary)."""
     running = {}
     for s in steps:
         if s.results:
@@ -234,9 +246,15 @@ def run_phase(steps: list[Step], logs: Path) -> list[Result]:
         proc = subprocess.Popen(s.argv, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         running[s.name] = (s, proc, fh, time.monotonic(), log)
-    results = {}
+    results: dict[str, Result] = {}
+    last_tick = time.monotonic()
     while running:
         time.sleep(0.5)
+        if on_tick is not None and time.monotonic() - last_tick >= tick_s:
+            last_tick = time.monotonic()
+            on_tick([results.get(s.name) or Result(s.name, s.phase, "running", s.what, " ".join(s.argv), s.timeout_s,
+                                                   round(time.monotonic() - running[s.name][3], 1), log=str(
+                                                       logs / f"{s.name}.log")) for s in steps])
         for name, (s, proc, fh, t0, log) in list(running.items()):
             wall = time.monotonic() - t0
             timed_out = proc.poll() is None and wall > s.timeout_s
@@ -248,17 +266,20 @@ def run_phase(steps: list[Step], logs: Path) -> list[Result]:
             detail, output = _outcome(s, log)
             status = "timeout" if timed_out else "pass" if proc.returncode == 0 else "fail"
             results[name] = Result(s.name, s.phase, status, s.what, " ".join(s.argv), s.timeout_s, round(wall, 1),
-                                   proc.returncode, str(log), detail, output)
+                                   proc.returncode, str(log), detail, output,
+                                   _last_lines(log) if status != "pass" else [])
             del running[name]
     return [results[s.name] for s in steps]
 
 
-def write_summary(out: Path, mode: str, env: dict[str, str], results: list[Result], budget_s: float) -> Path:
-    """``summary.json`` and ``summary.md`` under ``out``; returns the Markdown file."""
+def write_summary(out: Path, mode: str, env: dict[str, str], results: list[Result], budget_s: float,
+                  also: Path | None = None) -> Path:
+    """``summary.json`` and ``summary.md`` under ``out`` (and copies under ``also``); returns the Markdown file."""
     doc = {"mode": mode, "env": env, "plan_budget_s": budget_s, "steps": [asdict(r) for r in results]}
     (out / "summary.json").write_text(json.dumps(doc, indent=2))
     ok = all(r.status in ("pass", "dry-ok", "skipped") for r in results)
-    lines = [f"# GPU check: {'all passed' if ok else 'FAILURES'} ({mode})", "",
+    state = "running" if any(r.status == "running" for r in results) else "all passed" if ok else "FAILURES"
+    lines = [f"# GPU check: {state} ({mode})", "",
              f"{env['date']} on {env['host']}: GPU {env['gpu']} ({env['driver'] or 'no nvidia-smi'}), torch "
              f"{env['torch']} (CUDA {env['cuda']}), Python {env['python']}, {env['cpus']} CPUs, commit {env['commit']}.",
              f"Planned for at most {budget_s:.0f} s (set-up + each phase's timeouts).", ""]
@@ -269,12 +290,19 @@ def write_summary(out: Path, mode: str, env: dict[str, str], results: list[Resul
               f"{r.detail.replace('|', '/')} |" for r in results]
     lines += ["", "Steps: " + "; ".join(f"**{r.name}**: {r.what}" for r in results), ""]
     for r in results:
-        if r.output:
+        if r.output and r.status == "pass":
             lines += [f"## {r.name}: figures", "", f"`{r.command}`", "", "```", *r.output, "```", ""]
+        if r.log_tail:
+            lines += [f"## {r.name}: {r.status}, the end of its log", "", f"`{r.command}`", "", "```", *r.log_tail,
+                      "```", ""]
     lines += ["Logs: " + ", ".join(f"`{r.log}`" for r in results if r.log) if any(r.log for r in results)
               else "No logs (nothing ran)."]
     md = out / "summary.md"
     md.write_text("\n".join(lines) + "\n")
+    if also is not None:
+        also.mkdir(parents=True, exist_ok=True)
+        for name in ("summary.md", "summary.json"):
+            shutil.copyfile(out / name, also / name)
     return md
 
 
@@ -288,8 +316,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="'all' (the whole smoke DAG) or comma-separated output names (default: the sample)")
     ap.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
     ap.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS", help="override a timeout")
+    ap.add_argument("--summary-to", default=None, help="also keep summary.md/json in this directory, rewritten as "
+                                                       "the check goes (e.g. a folder that is collected)")
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
+    also = Path(a.summary_to).resolve() if a.summary_to else None
     (out / "logs").mkdir(parents=True, exist_ok=True)
     smoke = "all" if a.smoke_outputs == "all" else [x for x in a.smoke_outputs.split(",") if x]
     steps = plan(out, a.cores, smoke)
@@ -310,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     mode = "full" if cuda and not a.dry else "dry" if a.dry else "no CUDA"
     results: list[Result] = []
     budget = plan_wall_s(steps)
+    order = [s.name for s in steps]
+
+    def snapshot(partial: list[Result]) -> None:
+        """The summary so far: the finished steps and the running ones (``partial``)."""
+        write_summary(out, mode, env, sorted(results + partial, key=lambda r: order.index(r.name)), budget, also)
+
     for phase in sorted({s.phase for s in steps}):
         todo = []
         for s in (x for x in steps if x.phase == phase):
@@ -324,11 +361,15 @@ def main(argv: list[str] | None = None) -> int:
                 todo.append(s)
         if todo:
             print(f"phase {phase}: {', '.join(s.name for s in todo)}", flush=True)
-            runner = run_phase if phase != 1 else (lambda ss, logs: [r for s in ss for r in run_phase([s], logs)])
-            results += runner(todo, out / "logs")
-        results.sort(key=lambda r: [s.name for s in steps].index(r.name))
-        write_summary(out, mode, env, results, budget)   # after every phase: a killed check leaves what it had
-    md = write_summary(out, mode, env, results, budget)
+            if phase == 1:   # one by one: the benchmarks' figures undisturbed
+                for s in todo:
+                    results += run_phase([s], out / "logs", snapshot)
+                    snapshot([])
+            else:
+                results += run_phase(todo, out / "logs", snapshot)
+        results.sort(key=lambda r: order.index(r.name))
+        write_summary(out, mode, env, results, budget, also)   # after every phase: a killed check leaves what it had
+    md = write_summary(out, mode, env, results, budget, also)
     print(md.read_text())
     return 0 if all(r.status in ("pass", "dry-ok", "skipped") for r in results) else 1
 

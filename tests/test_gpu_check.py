@@ -40,13 +40,17 @@ def test_failing_and_hanging_steps_are_recorded_and_the_others_run(tmp_path):
              Step("bad", 2, [py, "-c", "raise SystemExit('broken: no CUDA')"], 30, "benchmark", "fails"),
              Step("hang", 2, [py, "-c", "import time; time.sleep(60)"], 1, "benchmark", "hangs")]
     (tmp_path / "logs").mkdir()
-    res = {r.name: r for r in run_phase(steps, tmp_path / "logs")}
+    ticks = []   # while steps run, the summary can be rewritten with them as 'running'
+    res = {r.name: r for r in run_phase(steps, tmp_path / "logs", lambda p: ticks.append(p), tick_s=0.2)}
+    assert ticks and all(len(t) == 3 for t in ticks) and any(r.status == "running" for t in ticks for r in t)
     assert res["ok"].status == "pass" and res["ok"].output == ["1,234.5 images/s"]
     assert res["bad"].status == "fail" and res["bad"].rc == 1 and "broken: no CUDA" in res["bad"].detail
+    assert res["bad"].log_tail == ["broken: no CUDA"] and not res["ok"].log_tail
     assert res["hang"].status == "timeout" and res["hang"].wall_s < 30
     env = {k: "?" for k in ("date", "host", "gpu", "driver", "torch", "cuda", "python", "cpus", "commit")}
-    md = write_summary(tmp_path, "full", env, list(res.values()), 570).read_text()
+    md = write_summary(tmp_path, "full", env, list(res.values()), 570, also=tmp_path / "kept").read_text()
     assert "FAILURES" in md and "| hang | 2 | timeout |" in md and "1,234.5 images/s" in md
+    assert "## bad: fail, the end of its log" in md and (tmp_path / "kept" / "summary.md").read_text() == md
     doc = json.loads((tmp_path / "summary.json").read_text())
     assert [s["status"] for s in doc["steps"]] == ["pass", "fail", "timeout"]
 
