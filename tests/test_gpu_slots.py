@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from fedcore import gpu_slots
 from fedcore.gpu_slots import GpuSlotsBusy, acquire, claim_for_job, lock_dir, pool_devices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,8 @@ def test_contending_jobs_get_distinct_gpus_and_a_freed_one_is_taken_again(pool_e
             j.wait(timeout=30)
 
 
-def test_a_job_waits_for_a_slot_that_frees(tmp_path):
+def test_a_job_waits_for_a_slot_that_frees(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_slots, "POLL_S", 0.05)
     held = acquire(["0"], tmp_path)
     threading.Timer(0.5, held.release).start()
     t0 = time.monotonic()
