@@ -19,11 +19,18 @@ wildcard_constraints:
     weights_file=r"[A-Za-z0-9_.\-]+",
     artifact=r"[a-z_]+[0-9]*",
 
-# The fedcore package actually imported (an editable install or PYTHONPATH), so code edits are tracked;
-# relative to the working directory when it lies inside it, so moving the checkout reruns nothing.
-FEDCORE = Path(fedcore.__file__).parent
-if FEDCORE.resolve().is_relative_to(Path.cwd().resolve()):
-    FEDCORE = FEDCORE.resolve().relative_to(Path.cwd().resolve())
+def workdir_relative(path):
+    """``path`` relative to the working directory when it lies inside it (a param or input that moves with the
+    checkout, so moving the checkout reruns nothing), else as given."""
+    path = Path(path)
+    if path.resolve().is_relative_to(Path.cwd().resolve()):
+        return path.resolve().relative_to(Path.cwd().resolve())
+    return path
+
+
+# The fedcore package actually imported (an editable install or PYTHONPATH), so code edits are tracked.
+FEDCORE = workdir_relative(Path(fedcore.__file__).parent)
+CHECKSUMS = str(workdir_relative(CFG.checksums_path))  # a param of the data rules
 
 # Engine code every training job runs; an edit here reruns every training job (by design).
 ENGINE_SOURCES = sorted(

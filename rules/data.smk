@@ -23,7 +23,7 @@ rule fetch_dataset:
         f"{RESOURCES}/raw/{{dataset}}.verified.json",
     params:
         resources=RESOURCES,
-        checksums=str(CFG.checksums_path),
+        checksums=CHECKSUMS,
     log:
         f"{RESULTS}/logs/fetch_dataset/{{dataset}}.log",
     retries: 2
@@ -39,7 +39,7 @@ rule build_dataset:
         f"{RESULTS}/data/{{dataset}}.npz",
     params:
         resources=RESOURCES,
-        checksums=str(CFG.checksums_path),
+        checksums=CHECKSUMS,
     log:
         f"{RESULTS}/logs/build_dataset/{{dataset}}.log",
     resources:
@@ -59,7 +59,7 @@ rule check_data:
         weights=[backbone_file(b) for b in CFG.backbones_needed()
                  if backbone_file(b) is not None and "pretrain" not in CFG.backbones[b]],
         resources=RESOURCES,
-        checksums=str(CFG.checksums_path),
+        checksums=CHECKSUMS,
     log:
         f"{RESULTS}/logs/check_data.{SCALE}.log",
     script:
