@@ -29,7 +29,7 @@ if FEDCORE.resolve().is_relative_to(Path.cwd().resolve()):
 ENGINE_SOURCES = sorted(
     _glob.glob(str(FEDCORE / "engine" / "*.py"))
     + [str(FEDCORE / f) for f in ("backbones/images.py", "backbones/prompted.py", "backbones/vit.py",
-                                  "backbones/registry.py", "backbones/resnet.py",
+                                  "backbones/registry.py", "backbones/resnet.py", "backbones/standin.py",
                                   "train.py", "methods/base.py", "methods/__init__.py", "io.py", "metrics.py",
                                   "artifacts.py")]
 )
@@ -45,14 +45,22 @@ def partition_file(exp, seed):
 
 
 def backbone_file(name):
-    """Pretrained at mini scale by the pipeline; a local weight file at paper scale; None for a backbone trained
-    from scratch (`scratch: true`: the run draws its weights)."""
+    """Pretrained at mini scale by the pipeline; a local weight file at paper scale (at smoke, where that file is
+    missing, a random stand-in the pipeline writes); None for a backbone trained from scratch (`scratch: true`:
+    the run draws its weights)."""
     entry = CFG.backbones[name]
     if entry.get("scratch"):
         return None
     if "pretrain" in entry:
         return f"{RESULTS}/backbones/{name}.pt"
+    if CFG.uses_standin(name):
+        return standin_file(name)
     return f"{RESOURCES}/weights/{entry['weights']}"
+
+
+def standin_file(name):
+    """The random stand-in for backbone `name`'s weight file (rule random_backbone)."""
+    return f"{RESULTS}/backbones/random/{name}.safetensors"
 
 
 def pretrain_code(name):
@@ -68,10 +76,10 @@ def pretrain_code(name):
 
 
 def weights_sha256(name):
-    """The sha256 a backbone's weight file must have: None when not checked (pipeline-pretrained files, entries
-    without a `sha256:` key), UNPINNED for `sha256: null` (refused until pinned)."""
+    """The sha256 a backbone's weight file must have: None when not checked (pipeline-pretrained files and random
+    stand-ins, entries without a `sha256:` key), UNPINNED for `sha256: null` (refused until pinned)."""
     entry = CFG.backbones[name]
-    if "pretrain" in entry or "sha256" not in entry:
+    if "pretrain" in entry or "sha256" not in entry or CFG.uses_standin(name):
         return None
     return entry["sha256"] or UNPINNED
 
