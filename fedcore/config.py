@@ -22,7 +22,7 @@ CONFIG_DIR = "config"
 TOP_WHERE = "the top-level config (config/config.yaml or --config)"
 JOB_DEFAULT = {"mem_mb": 48000, "minutes_per_round": 8.0}  # a backbone without a `job` entry (paper scale)
 TRAIN_KEYS = ("dataset", "backbone", "partition", "federation", "optimizer", "evaluation")
-SCALE_SETTINGS = ("missing_weights", "job")  # scale-file keys about the scale itself, not about experiments
+SCALE_SETTINGS = ("missing_weights", "job", "keep_run_state")  # scale-file keys about the scale, not its experiments
 
 
 class ConfigError(ValueError):
@@ -152,7 +152,8 @@ class Resolved:
     reports: dict[str, dict] = field(default_factory=dict)
     backbones: dict[str, dict] = field(default_factory=dict)
     checksums_path: Path | None = None
-    # the scale's own settings (SCALE_SETTINGS of config/scales/<scale>.yaml and its base scales): missing_weights, job
+    # the scale's own settings (SCALE_SETTINGS of config/scales/<scale>.yaml and its base scales): missing_weights, job,
+    # keep_run_state
     scale_settings: dict[str, Any] = field(default_factory=dict)
     # the tables and figures the config's `outputs` picks (fedcore/selection.py), and the configured runs they
     # read; None: every configured run (`outputs: all`)
@@ -252,6 +253,28 @@ class Resolved:
         per_round = max([j.get("minutes_per_round", JOB_DEFAULT["minutes_per_round"]) for j in jobs])
         rounds = self.federation(experiment, method)["rounds"]
         return {"gpu": 1, "mem_mb": int(mem), "runtime": int(math.ceil(30 + per_round * rounds))}
+
+    def arch_tag(self, backbone: str) -> str:
+        """'arch' for a backbone with its arch's default weight tag, else 'arch.tag' (as train_run builds it)."""
+        from fedcore.backbones.registry import arch_spec
+
+        entry = self.backbones[backbone]
+        tag = entry.get("tag")
+        return f"{entry['arch']}.{tag}" if tag is not None and tag != arch_spec(entry["arch"]).default_tag \
+            else entry["arch"]
+
+    def run_archs(self, experiment: str) -> str | list[str]:
+        """The arch (or arch.tag) of a run's backbone, or the list of its client backbones' (train_run's
+        ``backbone_arch``)."""
+        exp = self.experiments[experiment]
+        names = [self.arch_tag(b) for b in run_backbones(exp)]
+        return names if "client_backbones" in exp else names[0]
+
+    @property
+    def keep_run_state(self) -> bool:
+        """Whether a run's final.pt stays after the jobs that read it and the run keeps its checkpoint.pt (every
+        scale but smoke)."""
+        return bool(self.scale_settings.get("keep_run_state", True))
 
     def uses_standin(self, backbone: str) -> bool:
         """Whether ``backbone`` reads a random stand-in (fedcore/backbones/standin.py) at this scale: it names a
@@ -638,6 +661,8 @@ def _resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_fil
     if run:  # over the experiment's budget and every method's own, so that no run keeps a longer one
         out["federation"] = deep_merge(out["federation"], run)
         out["method_federation"] = {m: deep_merge(b, run) for m, b in out["method_federation"].items()}
+    if scale.get("method_params"):  # the scale's params of a method, over the experiment's own
+        out["method_params"] = deep_merge(out.get("method_params", {}), scale["method_params"])
     by_scheme = scale.get("partition_by_scheme", {}).get(out["partition"]["scheme"])
     if by_scheme:
         out["partition"] = deep_merge(out["partition"], by_scheme)

@@ -2,7 +2,7 @@
 import glob as _glob
 
 import fedcore
-from fedcore.backbones.registry import UNPINNED, arch_spec
+from fedcore.backbones.registry import UNPINNED
 from fedcore.config import run_backbones
 from fedcore.methods import method_class, method_source, method_sources
 
@@ -91,6 +91,12 @@ def run_sha256(experiment):
     return digests if "client_backbones" in exp else digests[0]
 
 
+def run_state(path):
+    """A run's final.pt: kept, or a temporary file where the scale keeps no run state (smoke: Snakemake deletes it
+    once the probes that read it have run)."""
+    return path if CFG.keep_run_state else temp(path)
+
+
 def run_dir(exp, method, seed):
     return f"{RESULTS}/runs/{SCALE}/{exp}/{method}/seed{seed}"
 
@@ -151,19 +157,9 @@ def train_inputs(wildcards):
     return out
 
 
-def _arch_tag(name):
-    """'arch' for a backbone with its arch's default weight tag, else 'arch.tag' (train_run builds it so)."""
-    entry = CFG.backbones[name]
-    return f"{entry['arch']}.{entry['tag']}" if "tag" in entry and entry["tag"] != arch_spec(entry["arch"]).default_tag \
-        else entry["arch"]
-
-
 def run_archs(experiment):
-    """The arch (or arch.tag) of a run's backbone, or the list of its client backbones'."""
-    exp = CFG.experiments[experiment]
-    if "client_backbones" in exp:
-        return [_arch_tag(b) for b in run_backbones(exp)]
-    return _arch_tag(exp["backbone"])
+    """The arch (or arch.tag) of a run's backbone, or the list of its client backbones' (Resolved.run_archs)."""
+    return CFG.run_archs(experiment)
 
 
 def identity(wildcards):

@@ -130,3 +130,15 @@ def scratch_run(files: dict, out, method: str, arch: str = "resnet8_pft_mini", r
               "method_params": method_params}
     return train_run(params, identity(method), files["dataset"], files["partition"], arch, None, out / "m.parquet",
                      out / "f.pt", checkpoint_path=out / "ckpt.pt", progress=False, stop_after_round=stop)
+
+
+@pytest.fixture(scope="session")
+def smoke_config():
+    """Every paper at scale smoke, every output (the whole smoke DAG's config; tests/test_smoke*.py)."""
+    from pathlib import Path
+
+    from fedcore.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    return load_config({"scale": "smoke", "seeds": [0], "papers": ["sgpt", "fedhpl", "fedotp", "fedpft"],
+                        "outputs": "all"}, root)
