@@ -128,10 +128,7 @@ def test_smoke_partitions_give_every_client_data(smoke):
         part = make_partition(spec, smoke.seeds[0], lab["train"]["y"], lab["test"]["y"], lab["train"]["domain"],
                               lab["test"]["domain"], lab["train"]["coarse"], lab["test"]["coarse"])
         assert min(len(t) for t in part.train) > 0, f"{dataset}/{pid}: a client without train data"
-        # FedHPL's baselines' 80/20 protocol: a few hundred images leave a client of a Dirichlet class subset no
-        # test image (its accuracy reads 0); every other scheme gives every client a test set
-        if spec["scheme"] != "class_subsets":
-            assert min(len(t) for t in part.test) > 0, f"{dataset}/{pid}: a client without test data"
+        assert min(len(t) for t in part.test) > 0, f"{dataset}/{pid}: a client without test data"
 
 
 def test_build_dataset_generates_a_synthetic_analogue_without_raw_files(tmp_path):

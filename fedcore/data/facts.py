@@ -85,14 +85,15 @@ class SyntheticSize:
 # checked against these facts when the config loads, and tests/test_smoke.py draws every one of them)
 SYNTHETIC: dict[str, SyntheticSize] = {
     # FedHPL (5 clients; every client scores the whole test set: test: full), FedPFT (its per-client sizes come from
-    # the partition), FedOTP Table A1. FedHPL's per-class minimum (floor(min_per_class_frac * n) images of every
-    # class a client holds, after the 80/20 split of its baselines' protocol) keeps a Dirichlet client from being
-    # empty only when it is >= 1: n >= 100 (CIFAR-10, 1 %) and >= 200 (SVHN, 0.5 %) train images a class
-    "smoke_cifar10": SyntheticSize("cifar10", 125, 2),
-    "smoke_svhn": SyntheticSize("svhn", 250, 2),
-    # FedHPL (10 %: n >= 10 after the 80/20 split), FedOTP's pachinko over 100 clients (train and test pooled: each
-    # client draws 24, a third of them test) and coarse split (every fine class shared by 5 clients in each split)
-    "smoke_cifar100": SyntheticSize("cifar100", 16, 8),
+    # the partition), FedOTP Table A1. FedHPL's baselines' protocol (class_subsets: an 80/20 split, then Dirichlet
+    # shares of random class subsets) left a client without train or test images at 20-60 images a class (some of
+    # seeds 0-4), none at 100 (tests/test_smoke.py checks every smoke partition)
+    "smoke_cifar10": SyntheticSize("cifar10", 100, 2),
+    "smoke_svhn": SyntheticSize("svhn", 100, 2),
+    # FedHPL (its class_subsets left a client without test images at 16 a class, seed 2), FedOTP's pachinko over 100
+    # clients (train and test pooled: each client draws 28, 8 of them test on average) and coarse split (every fine
+    # class is shared by 5 clients in each split)
+    "smoke_cifar100": SyntheticSize("cifar100", 20, 8),
     # SGPT's CIFAR-100: s = 50 classes per client over 100 clients shares every class among 50 clients; no share is
     # empty only with >= 75 images of every class in each split (fedcore/partition.py, classes_per_client)
     "smoke_cifar100_large": SyntheticSize("cifar100", 75, 75),
