@@ -22,7 +22,8 @@ CONFIG_DIR = "config"
 TOP_WHERE = "the top-level config (config/config.yaml or --config)"
 JOB_DEFAULT = {"mem_mb": 48000, "minutes_per_round": 8.0}  # a backbone without a `job` entry (paper scale)
 TRAIN_KEYS = ("dataset", "backbone", "partition", "federation", "optimizer", "evaluation")
-SCALE_SETTINGS = ("missing_weights", "job", "keep_run_state")  # scale-file keys about the scale, not its experiments
+# scale-file keys about the scale itself, not about its experiments
+SCALE_SETTINGS = ("missing_weights", "job", "keep_run_state", "results")
 
 
 class ConfigError(ValueError):
@@ -153,7 +154,7 @@ class Resolved:
     backbones: dict[str, dict] = field(default_factory=dict)
     checksums_path: Path | None = None
     # the scale's own settings (SCALE_SETTINGS of config/scales/<scale>.yaml and its base scales): missing_weights, job,
-    # keep_run_state
+    # keep_run_state, results
     scale_settings: dict[str, Any] = field(default_factory=dict)
     # the tables and figures the config's `outputs` picks (fedcore/selection.py), and the configured runs they
     # read; None: every configured run (`outputs: all`)
@@ -323,9 +324,11 @@ class Resolved:
 
     def claims_view(self, paper: str) -> dict[str, dict]:
         """Per scale, what a paper's claims and scorecard are built with: its tables and figures at that scale,
-        the experiments' report view and the implemented methods."""
+        the experiments' report view and the implemented methods. This scale, and the other scales whose numbers are
+        results (not smoke's: ``results: false``)."""
         out = {}
-        for scale in sorted({self.scale, *self._scales}):
+        others = {s for s, at in self._scales.items() if at.scale_settings.get("results", True)}
+        for scale in sorted({self.scale, *others}):
             at = self.at_scale(scale)
             names = at.reports.get(paper, {"tables": [], "figures": []})
             out[scale] = {"tables": {n: at.tables[n] for n in names["tables"]},
