@@ -101,6 +101,12 @@ def test_smoke_jobs_share_the_gpu_and_keep_no_run_state(smoke):
     assert paper.run_resources(r["experiment"], r["method"])["gpu"] == 1 and paper.keep_run_state
 
 
+def test_claim_checks_of_other_scales_leave_smoke_out(smoke):
+    assert "smoke" in smoke.claims_view("sgpt")   # its own claim check runs (the machinery), on its own tables
+    mini = load_config({"scale": "mini", "seeds": [0], "papers": ["sgpt"], "outputs": "all"}, ROOT)
+    assert sorted(mini.claims_view("sgpt")) == ["mini", "paper"]
+
+
 @pytest.mark.parametrize("name", sorted(SYNTHETIC))
 def test_synthetic_analogue_has_its_datasets_facts(name):
     size, facts = SYNTHETIC[name], dataset_facts(name)
