@@ -134,15 +134,29 @@ def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.Pa
 
 
 def stamp_banner(fig: Figure, scale: str) -> None:
-    """Write the scale's banner (smoke: "smoke: synthetic data, not results") across the top of the figure, in
-    large red letters over everything else; nothing at the other scales."""
+    """Write the scale's banner (smoke: "smoke: synthetic data, not results") in large red letters in a band added
+    on top of the figure, above its caption; nothing at the other scales."""
     from fedcore.report.tables import scale_banner
 
     banner = scale_banner(scale)
     if banner is None:
         return
-    fig.text(0.5, 0.995, banner.upper(), ha="center", va="top", fontsize=16, fontweight="bold", color="tab:red",
-             zorder=100, bbox={"facecolor": "white", "edgecolor": "tab:red", "alpha": 0.85})
+    band = 0.4  # inches added on top for the banner
+    height = fig.get_figheight()
+    total = height + band
+    fig.set_figheight(total)
+    fig.text(0.5, 1.0 - 0.05 / total, banner.upper(), ha="center", va="top", fontsize=16, fontweight="bold",
+             color="tab:red")
+    top = 1.0 - band / total  # the old figure's top edge, in the new figure's fraction
+    caption = fig.get_suptitle()
+    if caption:  # pinned right under the band (a suptitle placed by hand is left out of the layout's margins)
+        text = fig.suptitle(caption, y=top, va="top", fontsize="medium")
+        top -= (text.get_window_extent(fig.canvas.get_renderer()).height / fig.dpi + 0.1) / total
+    engine = fig.get_layout_engine()
+    if engine is not None and "rect" in engine.get():  # constrained layout: the panels (and notes) stay below
+        x0, y0, w, _ = engine.get()["rect"]
+        y0 *= height / total
+        engine.set(rect=(x0, y0, w, top - y0))
 
 
 def with_banner(table_cfg: dict, scale: str) -> dict:
