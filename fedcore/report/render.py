@@ -129,11 +129,11 @@ def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.Pa
             fig = data_outputs.partition_bubbles_figure(fig_cfg, inputs["dataset"], parts)
     else:
         fig = build_figure(fig_cfg, inputs[figure_input(fig_cfg)], context)
-    stamp_banner(fig, context["scale"])
+    stamp_banner(fig, context.get("scale"))  # data-only figures may be given no context
     save_figure(fig, out_png, out_pdf)
 
 
-def stamp_banner(fig: Figure, scale: str) -> None:
+def stamp_banner(fig: Figure, scale: str | None) -> None:
     """Write the scale's banner (smoke: "smoke: synthetic data, not results") in large red letters in a band added
     on top of the figure, above its caption; nothing at the other scales."""
     from fedcore.report.tables import scale_banner

@@ -539,7 +539,7 @@ def _percent_only(table: pd.DataFrame) -> bool:
     return all(metric_factor({"metric": m}) == PERCENT for m in table["metric"].unique())
 
 
-def scale_banner(scale: str) -> str | None:
+def scale_banner(scale: str | None) -> str | None:
     """The line every table and figure of ``scale`` must carry (smoke: synthetic data, not results), or None."""
     return SCALE_BANNERS.get(scale)
 
