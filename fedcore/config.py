@@ -7,7 +7,6 @@ is validated before any job runs; an error names the file, the key and the allow
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from fedcore.data.facts import dataset_facts
 
 CONFIG_DIR = "config"
 TOP_WHERE = "the top-level config (config/config.yaml or --config)"
-JOB_DEFAULT = {"mem_mb": 48000, "minutes_per_round": 8.0}  # a backbone without a `job` entry (paper scale)
+JOB_DEFAULT = {"mem_mb": 48000}  # host memory of a job whose backbones have no `job` entry (paper scale)
 TRAIN_KEYS = ("dataset", "backbone", "partition", "federation", "optimizer", "evaluation")
 # scale-file keys about the scale itself, not about its experiments
 SCALE_SETTINGS = ("missing_weights", "job", "keep_run_state", "results")
@@ -161,6 +160,8 @@ class Resolved:
     outputs: list[str] = field(default_factory=list)
     selected: set[tuple[str, str]] | None = None
     _scales: dict[str, "Resolved"] = field(default_factory=dict, repr=False, compare=False)  # at_scale's cache
+    # run_resources' cache: the rule asks three times per job (gpu, runtime, mem_mb)
+    _requests: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def scale(self) -> str:
@@ -245,31 +246,20 @@ class Resolved:
         return out
 
     def run_resources(self, experiment: str, method: str) -> dict[str, int]:
-        """A training job's cluster request: the scale's ``job`` where it has one, else gpu, mem_mb and runtime
-        (minutes) from the run's backbones' ``job`` entries (the largest asks) times its rounds."""
-        if "job" in self.scale_settings:  # the scale says (mini: one CPU's worth; smoke: a share of the GPU)
+        """A training job's cluster request: the scale's ``job`` where it has one (mini: one CPU's worth; smoke: no GPU
+        slot), else gpu, mem_mb (the run's backbones' ``job`` entries, the largest ask) and runtime (minutes:
+        fedcore/estimate.py's estimate of the run on one GPU times its margin, computed once per run)."""
+        if "job" in self.scale_settings:
             return dict(self.scale_settings["job"])
-        jobs = [self.backbones[b].get("job", {}) for b in run_backbones(self.experiments[experiment])]
-        mem = max([j.get("mem_mb", JOB_DEFAULT["mem_mb"]) for j in jobs])
-        per_round = max([j.get("minutes_per_round", JOB_DEFAULT["minutes_per_round"]) for j in jobs])
-        rounds = self.federation(experiment, method)["rounds"]
-        return {"gpu": 1, "mem_mb": int(mem), "runtime": int(math.ceil(30 + per_round * rounds))}
+        key = (experiment, method)
+        if key not in self._requests:
+            from fedcore.estimate import estimate_run, request_minutes
 
-    def arch_tag(self, backbone: str) -> str:
-        """'arch' for a backbone with its arch's default weight tag, else 'arch.tag' (as train_run builds it)."""
-        from fedcore.backbones.registry import arch_spec
-
-        entry = self.backbones[backbone]
-        tag = entry.get("tag")
-        return f"{entry['arch']}.{tag}" if tag is not None and tag != arch_spec(entry["arch"]).default_tag \
-            else entry["arch"]
-
-    def run_archs(self, experiment: str) -> str | list[str]:
-        """The arch (or arch.tag) of a run's backbone, or the list of its client backbones' (train_run's
-        ``backbone_arch``)."""
-        exp = self.experiments[experiment]
-        names = [self.arch_tag(b) for b in run_backbones(exp)]
-        return names if "client_backbones" in exp else names[0]
+            jobs = [self.backbones[b].get("job", {}) for b in run_backbones(self.experiments[experiment])]
+            mem = max([j.get("mem_mb", JOB_DEFAULT["mem_mb"]) for j in jobs])
+            self._requests[key] = {"gpu": 1, "mem_mb": int(mem),
+                                   "runtime": request_minutes(estimate_run(self, experiment, method))}
+        return dict(self._requests[key])
 
     @property
     def keep_run_state(self) -> bool:

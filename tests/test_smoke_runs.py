@@ -19,8 +19,8 @@ from fedcore.artifacts import build_artifact
 from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
 from fedcore.data.facts import SYNTHETIC, SyntheticSize
 from fedcore.data.synthetic import build_synthetic
-from fedcore.methods import method_class
 from fedcore.partition import make_partition, num_clients
+from fedcore.plan import plan_run
 from fedcore.train import train_run
 
 # paper -> (experiment, method, images kept per domain (or of the split) in train and test, partition keys that
@@ -57,33 +57,31 @@ def tiny_bundle(name: str, keep: tuple[int, int]) -> DatasetBundle:
 @pytest.mark.parametrize("paper", sorted(CI_RUNS))
 def test_smoke_run_at_paper_backbone_size_on_cpu(paper, smoke, tmp_path):
     experiment, method, keep, shrink, federation = CI_RUNS[paper]
-    params = smoke.train_params(experiment, method)
+    plan = plan_run(smoke, experiment, method, 0)   # the smoke run as the pipeline plans it
+    params = plan.params
     spec = {**params["partition"], **shrink}
-    clients = num_clients(spec, len(tiny_bundle(params["dataset"], keep).meta.get("domains", [])))
-    params["federation"] = {**params["federation"], **federation, "participation": 1.0 / clients}
+    bundle = tiny_bundle(plan.dataset, keep)
+    clients = num_clients(spec, len(bundle.meta.get("domains", [])))
+    paper_spec = smoke.at_scale("paper").experiments[experiment]["partition"]
+    assert clients == num_clients(paper_spec, len(bundle.meta.get("domains", [])))  # the paper's client count
     params["partition"] = spec
-    bundle = tiny_bundle(params["dataset"], keep)
+    params["federation"] = {**params["federation"], **federation, "participation": 1.0 / clients}
     save_bundle(bundle, tmp_path / "data.npz")
     part = make_partition(spec, 0, bundle.train.y, bundle.test.y, bundle.train.domain, bundle.test.domain,
                           bundle.train.coarse, bundle.test.coarse)
-    assert part.num_clients == clients == smoke.at_scale("paper").experiments[experiment]["partition"].get(
-        "clients", clients)  # the paper's client count
+    assert part.num_clients == clients
     part.save(tmp_path / "part.npz")
-    arch = smoke.run_archs(experiment)
-    cls = method_class(params["method"])
+    archs = plan.archs if isinstance(plan.archs, list) else [plan.archs]
     artifacts = {}
-    for name, key in cls.artifacts({**cls.defaults, **params["method_params"]}).items():  # SGPT's, FedOTP's caches
+    for name, key in plan.artifacts.items():  # SGPT's Select queries, FedOTP's CLIP image tokens
         artifacts[name] = tmp_path / f"{key}.npz"
         torch.manual_seed(0)
-        build_artifact(key, tmp_path / "data.npz", arch.partition(".")[0], None, artifacts[name], device="cpu")
-    identity = {"paper": paper, "experiment": experiment, "method": method, "scale": "smoke",
-                "dataset": params["dataset"], "seed": 0}
-    train_run(params, identity, tmp_path / "data.npz", tmp_path / "part.npz", arch, None, tmp_path / "m.parquet",
-              tmp_path / "final.pt", device="cpu", progress=False, artifacts=artifacts)
+        build_artifact(key, tmp_path / "data.npz", archs[0].partition(".")[0], None, artifacts[name], device="cpu")
+    train_run(params, plan.identity, tmp_path / "data.npz", tmp_path / "part.npz", plan.archs, None,
+              tmp_path / "m.parquet", tmp_path / "final.pt", device="cpu", progress=False, artifacts=artifacts)
     metrics = pd.read_parquet(tmp_path / "m.parquet")
     assert set(metrics["round"]) == {1} and (metrics["scale"] == "smoke").all()
     acc = metrics.loc[metrics["metric"] == "acc", "value"]   # every client's and the global test accuracy
     assert len(acc) > clients and acc.notna().all() and acc.between(0, 1).all()
     final = torch.load(tmp_path / "final.pt", weights_only=False)
-    archs = arch if isinstance(arch, list) else [arch]
     assert [r["arch"] for r in final["backbone_weights"]] == archs
