@@ -14,6 +14,7 @@ from fedcore.backbones.clip import clip_classnames
 from fedcore.partition_fedotp import prompt_class_names
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import build_backbone, prompt_adapter
+from fedcore.backbones.standin import standin_note
 from fedcore.backbones.vit import backbone_info
 from fedcore.data.arrays import ArrayDataset, load_bundle
 from fedcore.engine.data import DeviceSplit, InputPipeline, cache_features, check_augment
@@ -109,6 +110,22 @@ def _extra_datasets(declared: dict[str, str], given: dict[str, str | Path] | Non
     return {role: given[role] for role in declared}
 
 
+def weight_records(archs: Sequence[str], weights: Sequence[str | Path | None]) -> list[dict[str, Any]]:
+    """What each backbone of a run loads (arch, file, and the random stand-in's note where it is one: scale smoke),
+    logged, and kept in final.pt; a stand-in is logged as a warning, since such a run is not a result."""
+    out = []
+    for arch, path in zip(archs, weights, strict=True):
+        note = standin_note(path)
+        out.append({"arch": arch, "weights": None if path is None else str(path), "random_standin": note})
+        if note is not None:
+            log.warning("backbone %s: RANDOM stand-in weights %s (seed %s) in place of %s: this run is not a result",
+                        arch, path, note["seed"], note["replaces"] or "a missing weight file")
+        else:
+            log.info("backbone %s: %s", arch, "random init from the run's seed (no weight file)" if path is None
+                     else f"weights {path}")
+    return out
+
+
 def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: str | Path,
               partition_path: str | Path, backbone_arch: str | list[str],
               backbone_weights: str | Path | None | list[str | Path | None],
@@ -173,6 +190,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     # "arch" or "arch.tag" (config/backbones.yaml's weight tag: the input contract of the weights)
     nets = [build_backbone(a.partition(".")[0], w, a.partition(".")[2] or None, input_size=input_size, sha256=d)
             for a, w, d in zip(archs, weights, digests, strict=True)]
+    loaded = weight_records(archs, weights)
     infos = [backbone_info(n) for n in nets]
     inputs = {(i["img_size"], i["mean"], i["std"]) for i in infos}
     if len(inputs) != 1:
@@ -229,7 +247,8 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     if result is None:
         return None
     atomic_torch_save({"identity": identity, "global": result.global_state, "personal": result.personal_states,
-                       "server": result.server_state, "clients": result.client_states}, final_out)
+                       "server": result.server_state, "clients": result.client_states, "backbone_weights": loaded},
+                      final_out)
     with atomic_path(metrics_out, suffix=".parquet") as tmp:
         result.metrics.to_parquet(tmp, index=False)
     return result

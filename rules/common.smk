@@ -36,7 +36,7 @@ CHECKSUMS = str(workdir_relative(CFG.checksums_path))  # a param of the data rul
 ENGINE_SOURCES = sorted(
     _glob.glob(str(FEDCORE / "engine" / "*.py"))
     + [str(FEDCORE / f) for f in ("backbones/images.py", "backbones/prompted.py", "backbones/vit.py",
-                                  "backbones/registry.py", "backbones/resnet.py",
+                                  "backbones/registry.py", "backbones/resnet.py", "backbones/standin.py",
                                   "train.py", "methods/base.py", "methods/__init__.py", "io.py", "metrics.py",
                                   "artifacts.py")]
 )
@@ -52,14 +52,22 @@ def partition_file(exp, seed):
 
 
 def backbone_file(name):
-    """Pretrained at mini scale by the pipeline; a local weight file at paper scale; None for a backbone trained
-    from scratch (`scratch: true`: the run draws its weights)."""
+    """Pretrained at mini scale by the pipeline; a local weight file at paper scale (at smoke, where that file is
+    missing, a random stand-in the pipeline writes); None for a backbone trained from scratch (`scratch: true`:
+    the run draws its weights)."""
     entry = CFG.backbones[name]
     if entry.get("scratch"):
         return None
     if "pretrain" in entry:
         return f"{RESULTS}/backbones/{name}.pt"
+    if CFG.uses_standin(name):
+        return standin_file(name)
     return f"{RESOURCES}/weights/{entry['weights']}"
+
+
+def standin_file(name):
+    """The random stand-in for backbone `name`'s weight file (rule random_backbone)."""
+    return f"{RESULTS}/backbones/random/{name}.safetensors"
 
 
 def pretrain_code(name):
@@ -82,6 +90,12 @@ def plan(experiment, method, seed=0):
 def run_sha256(experiment):
     """The sha256 of each backbone file a run of the experiment loads, in the order train_inputs lists the files."""
     return experiment_backbones(CFG, experiment)[1]
+
+
+def run_state(path):
+    """A run's final.pt: kept, or a temporary file where the scale keeps no run state (smoke: Snakemake deletes it
+    once the probes that read it have run)."""
+    return path if CFG.keep_run_state else temp(path)
 
 
 def run_dir(exp, method, seed):

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from fedcore.io import atomic_path
+from fedcore.report.tables import SCALE_BANNERS
 
 PAPER_TITLES = {"sgpt": "SGPT", "fedhpl": "FedHPL", "fedotp": "FedOTP", "fedpft": "FedPFT"}
 
@@ -18,6 +19,9 @@ SCALE_CAPTIONS = {
     "mini": ("Scale mini: embedded analogue data and tiny pretrained backbones on CPU; the numbers check the "
              "pipeline end to end and are not comparable to the paper's (its numbers are a layout reference only)."),
     "paper": "Scale paper: the paper's datasets, backbones and budgets; where a table shows Δ, Δ = ours − paper.",
+    "smoke": (f"Scale {SCALE_BANNERS['smoke']}: the paper's experiments, backbones (random weights where a weight "
+              "file is missing) and partitions, one round on synthetic data in each dataset's shape; it checks "
+              "that the paper-scale code runs, nothing more."),
 }
 
 CSS = """

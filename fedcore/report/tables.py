@@ -82,7 +82,12 @@ METRIC_UNITS: dict[str, float] = {
 }
 PERCENT = 100.0
 
-PAPER_ROLE = {"paper": "target", "mini": "layout reference only (data and backbone differ)"}
+# The line every table and figure of a scale carries, where the scale's numbers are no results at all (written by
+# fedcore/report/render.py, the one place every table and figure passes through; html_pages' captions quote it)
+SCALE_BANNERS = {"smoke": "smoke: synthetic data, not results"}
+
+PAPER_ROLE = {"paper": "target", "mini": "layout reference only (data and backbone differ)",
+              "smoke": "layout reference only (synthetic data: not results)"}
 
 MINI_NOTE = (
     "Scale mini: our numbers come from the embedded analogue datasets and a tiny pretrained backbone; "
@@ -90,6 +95,8 @@ MINI_NOTE = (
     "so no difference is computed."
 )
 PAPER_NOTE = "Scale paper: Δ = ours − paper, in percentage points."
+SMOKE_NOTE = ("Scale smoke: the paper's setup for one round on synthetic data (random weights where a weight file is "
+              "missing); the paper's numbers are a reference for layout only, so no difference is computed.")
 
 STATUS_NOTES = {
     NOT_IMPLEMENTED: "not implemented = fedcore has no such method yet",
@@ -532,10 +539,17 @@ def _percent_only(table: pd.DataFrame) -> bool:
     return all(metric_factor({"metric": m}) == PERCENT for m in table["metric"].unique())
 
 
+def scale_banner(scale: str | None) -> str | None:
+    """The line every table and figure of ``scale`` must carry (smoke: synthetic data, not results), or None."""
+    return SCALE_BANNERS.get(scale)
+
+
 def scale_note(scale: str, percent: bool = True) -> str:
     """The caption sentence that says how to read the paper's numbers at this scale."""
     if scale == "mini":
         return MINI_NOTE
+    if scale == "smoke":
+        return SMOKE_NOTE
     return PAPER_NOTE if percent else "Scale paper: Δ = ours − paper, in the table's units."
 
 
