@@ -669,6 +669,11 @@ def _resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_fil
     missing = [k for k in ("rounds", "participation", "local_epochs", "batch_size") if k not in out["federation"]]
     if missing:
         raise ConfigError(f"experiment {name}: federation is missing {missing} after applying {scale_file}")
+    # no silent defaults for what sets a run's numbers: the optimiser and its learning rate are the paper's to state
+    missing = [k for k in ("name", "lr") if k not in out.get("optimizer", {})]
+    if missing:
+        raise ConfigError(f"experiment {name}: optimizer is missing {missing} after applying {scale_file} (no "
+                          "default: write the paper's value)")
     try:
         out["partition"] = validate_spec(out["partition"])
     except ValueError as e:

@@ -340,3 +340,10 @@ def test_an_experiments_augment_reaches_every_method_of_it_and_no_other_run(tmp_
     with pytest.raises(ConfigError, match=r"experiment 'pft_tiny_dir0p1', key 'augment': unknown augmentation\(s\) "
                                           r"\['rotate_15'\]"):
         load_config({**DEFAULT, "papers": ["fedpft"]}, root)
+
+
+def test_a_missing_learning_rate_is_an_error_not_a_default(tmp_path):
+    """lr sets a run's numbers: without it the config is refused (it once became 0.01 silently)."""
+    root = _edit_experiments(tmp_path, lambda d: d["experiments"]["sgpt_five"]["optimizer"].pop("lr"))
+    with pytest.raises(ConfigError, match=r"experiment sgpt_five: optimizer is missing \['lr'\]"):
+        load_config(DEFAULT, root)
