@@ -10,7 +10,9 @@ trained one by one (``Client.fit`` per client, as the engine without a together 
 (fedcore/engine/onepass.py) and, where the client's update allows it, vmapped (fedcore/engine/together.py). Each
 image counts once per pass over it (SGPT's two blocks are two passes). FLOP/image is counted once per family with
 torch's FlopCounterMode over one client's step (forward and backward, input gradients through the frozen backbone);
-the share of peak is against ``--peak-tflops`` (989: the dense bf16 peak of an H100 SXM or H200) on CUDA.
+the share of peak is against ``--peak-tflops`` (989: the dense bf16 peak of an H100 SXM or H200) on CUDA. Paths
+run interleaved, best of ``--repeats``; on the CPU timed by the process's CPU time (one thread), which other jobs of
+a shared machine do not inflate as they do wall time.
 """
 from __future__ import annotations
 
@@ -150,21 +152,22 @@ def bench(family: str, preset: str, clients: int | None, batch: int | None, step
     compiled = TrainSettings(1, batch, settings.optimizer, compile=compile_mode)
     result: dict[str, Any] = {"family": family, "clients": clients, "batch": batch,
                               "flop_per_image": flops_per_image(method, b, settings, amp)}
-    for name, fn in paths(method, device).items():
-        if only and name not in only:
-            continue
-        best = float("inf")
-        for rep in range(repeats + 1):  # the first is a warm-up (kernels, allocator)
+    ways = {name: fn for name, fn in paths(method, device).items() if not only or name in only}
+    # the CPU: this process's CPU time, not wall time (a shared machine's other jobs preempt it; one thread)
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+    best = dict.fromkeys(ways, float("inf"))
+    for rep in range(repeats + 1):  # the first is a warm-up (kernels, allocator); paths interleaved, so that a
+        for name, fn in ways.items():  # shared machine's drift does not favour one of them
             states, downs, datas = round_inputs(method, b, clients, 1 if rep == 0 else steps, settings)
             states = copy.deepcopy(states)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 _sync(device)
-                t0 = time.perf_counter()
+                t0 = clock()
                 fn(states, downs, datas, compiled if name == "one pass" else settings)
                 _sync(device)
             if rep:
-                best = min(best, time.perf_counter() - t0)
-        result[name] = passes * clients * batch * steps / best
+                best[name] = min(best[name], clock() - t0)
+    result.update({name: passes * clients * batch * steps / t for name, t in best.items()})
     return result
 
 

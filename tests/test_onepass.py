@@ -268,3 +268,17 @@ def test_the_compile_switch_reaches_the_one_pass_step_and_the_fingerprint(monkey
     spec = RunSpec({"seed": 0}, {"rounds": 1}, SGD)
     assert spec.compile is None and RunSpec({"seed": 0}, {"rounds": 1}, SGD, compile="default").fingerprint() \
         != spec.fingerprint()
+
+
+def test_a_round_of_many_clients_trains_in_several_passes(monkeypatch):
+    """More clients than ``PASS_SAMPLES`` allows in one pass: several passes, the same outcomes."""
+    from fedcore.engine import batching
+
+    method = _vit_method("local")
+    server = method.strategy.init_state(len(SIZES))
+    monkeypatch.setattr(batching, "PASS_SAMPLES", 8)       # 2 clients a pass at batch 4
+    calls = []
+    real = batching.one_pass_epochs
+    monkeypatch.setattr(batching, "one_pass_epochs", lambda *a, **k: calls.append(len(a[4])) or real(*a, **k))
+    _round(method, server, _states(method), TrainSettings(1, 4, SGD), (3, 16, 16))
+    assert calls == [2, 1]

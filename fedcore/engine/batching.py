@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from fedcore.engine.onepass import AfterStep, ClientLosses, train_one_pass
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, epoch_stream
-from fedcore.engine.roles import FitResult, Payload, Together, load_state, module_state
+from fedcore.engine.roles import FitResult, FitTogether, Payload, Together, load_state, module_state
 from fedcore.engine.together import has_attention, train_together
 
 if TYPE_CHECKING:
@@ -33,6 +33,9 @@ ATTENTION_ON_CUDA = "attention on CUDA: one client at a time is faster there (fe
 #: device types where a client that offers a one pass trains its round's clients that way (benchmarks/bench_onepass.py:
 #: CUDA, where vmap over attention fails; the CPU, where it matches one by one bit for bit and is faster than both)
 ONE_PASS_ON: frozenset[str] = frozenset({"cuda", "cpu"})
+#: at most this many samples a step in one pass: a round of more clients (Local's 100 on CIFAR-100) trains as several
+#: passes of ``PASS_SAMPLES // batch_size`` clients each (the same numbers: clients never meet in a pass)
+PASS_SAMPLES = 512
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,18 @@ def one_pass_on(device: str) -> bool:
     return device in ONE_PASS_ON
 
 
+def in_passes(fit: FitTogether) -> FitTogether:
+    """``fit`` over the round's clients in groups of at most ``PASS_SAMPLES // batch_size`` (one pass each)."""
+    def run(states: list[Payload], downlinks: list[Payload], datas: list[ClientData],
+            settings: TrainSettings) -> list[tuple[Payload, FitResult]]:
+        per = max(1, PASS_SAMPLES // max(1, settings.batch_size))
+        out: list[tuple[Payload, FitResult]] = []
+        for i in range(0, len(datas), per):
+            out += fit(states[i:i + per], downlinks[i:i + per], datas[i:i + per], settings)
+        return out
+    return run
+
+
 def epochs_of_loss(client: "Client", device: str, model: nn.Module, *, one_pass: OnePass | None = None,
                    vmap: bool = True, epochs: int | None = None) -> Together:
     """The together path of a client whose update is ``epochs`` (None: the experiment's ``local_epochs``) epochs of
@@ -72,8 +87,8 @@ def epochs_of_loss(client: "Client", device: str, model: nn.Module, *, one_pass:
     if not any(p.requires_grad for p in model.parameters()):
         return Together.no("nothing to train")  # one by one makes no pass over the data (Client.train)
     if one_pass is not None and one_pass_on(device):
-        return Together(lambda states, downlinks, datas, settings: one_pass_epochs(
-            client, one_pass, states, downlinks, datas, settings, epochs), how="one pass through the frozen backbone",
+        return Together(in_passes(lambda states, downlinks, datas, settings: one_pass_epochs(
+            client, one_pass, states, downlinks, datas, settings, epochs)), how="one pass through the frozen backbone",
             exact=device == "cpu")
     if not vmap:
         return Together.no(f"{type(client).__name__} trains together in one pass only, not taken on the "

@@ -20,7 +20,8 @@ each client's complete state and the server state (both checkpointed every round
   trains them, or why they cannot), asked per device type and model; fedcore/engine/batching.py builds the
   generic paths (one pass through the frozen backbone, vmap) from what a client declares.
 * ``Evaluator``: ``load`` (the model that scores client ``cid``, or the global model), ``predict``,
-  ``round_rows`` (extra per-round metrics for a paper's figures).
+  ``round_rows`` (extra per-round metrics for a paper's figures), ``one_pass`` (optional: the clients' own models
+  score a batch together).
 
 A ``Method`` is the recipe: its params, the trainable model around a frozen backbone (``build``), the
 per-sample artifacts it needs (``artifacts``), the other dataset bundles it reads (``extra_datasets``: e.g.

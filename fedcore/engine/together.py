@@ -46,9 +46,10 @@ on the in-place update of a captured tensor; :func:`can_vmap` checks BatchNorm b
 be a scalar mean over the batch; attention runs the math kernel, and on CUDA (torch 2.11, H100) its backward
 under vmap fails with bf16 autocast ("expected input and grad types to match") while the fused kernels' fails
 in any precision ("LSE is not correctly aligned"); in fp32 it ran, but 3.5x slower than one client at a time for
-ViT-B/16 prompts (510 vs 1,806 images/s, 5 clients, batch 40), so the engine trains attention models together
-only on CPU (:func:`has_attention`); ``loss_fn`` sees the real module (its tensors swapped by
-``functional_call``), so it must not hold on to the module's tensors across calls.
+ViT-B/16 prompts (510 vs 1,806 images/s, 5 clients, batch 40), so on CUDA the engine never vmaps attention
+models (:func:`has_attention`; prompt models take the one pass, fedcore/engine/onepass.py); ``loss_fn`` sees the
+real module (its tensors swapped by ``functional_call``), so it must not hold on to the module's tensors across
+calls.
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ from fedcore.analysis.clustering import hungarian_accuracy
 from fedcore.backbones.prompted import PromptedViT, init_prompts
 from fedcore.constraints import EMBED_DIM, LAST_CLIENT, BlockIndex, BlockList, Choice, Flag, Int, Number
 from fedcore.engine.aggregation import weighted_average
-from fedcore.engine.batching import one_pass_on, start_states
+from fedcore.engine.batching import in_passes, one_pass_on, start_states
 from fedcore.engine.data import Batch
 from fedcore.engine.onepass import Owners, train_one_pass
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, epoch_stream, only_training, run_epochs
@@ -208,7 +208,8 @@ class SGPTClient(Client):
                                "before it in the round")
         if not one_pass_on(device):
             return Together.no(f"SGPT trains together in one pass only, not taken on the {device.upper()}")
-        return Together(self.fit_together, how="one pass through the frozen backbone per step of each block")
+        return Together(in_passes(self.fit_together), how="one pass through the frozen backbone per step of each block",
+                        exact=device == "cpu")
 
     def fit_together(self, states: list[Payload], downlinks: list[Payload], datas: list[ClientData],
                      settings: TrainSettings) -> list[tuple[Payload, FitResult]]:
