@@ -209,7 +209,7 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
         losses = [float(res.stats.get("loss", float("nan"))) for res in results]
         state["rows"].append((r, -1, "train", "loss", float(sum(losses) / len(losses))))
         state["rows"].extend((r, -1, "train", name, float(v))
-                             for name, v in strategy.train_metrics(info, results).items())
+                             for name, v in method.strategy.train_metrics(info, results).items())
         model = method.models[0].eval()  # evaluation: BatchNorm uses its statistics, dropout is off
         evaluator.load(model, None, state["server"], None, None)
         ctx = RoundContext(r, spec.evaluated(r), train, client_train, eval_sets, pipeline, eval_bs)
