@@ -6,7 +6,7 @@
 The model is FedPFT's extractor, a torchvision-style ResNet-8 (7x7 stem, BasicBlocks [1,1,1], widths
 64/128/256) + a linear head, trained from scratch with SGD (momentum 0.9), BatchNorm in train mode. Every
 client has its own copy of all weights and BatchNorm statistics; ``one_by_one`` trains them in turn (what the
-engine does for a method that is not batchable), ``train_together`` in one vmapped pass per step
+engine does for a method that offers no together path), ``train_together`` in one vmapped pass per step
 (fedcore/engine/together.py). Prints seconds per round for each and the ratio.
 """
 from __future__ import annotations

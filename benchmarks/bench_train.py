@@ -24,7 +24,7 @@ from fedcore.backbones.prompted import PromptedViT, attention_backend  # noqa: E
 from fedcore.backbones.vit import backbone_info, build_vit  # noqa: E402
 from fedcore.engine.data import Batch  # noqa: E402
 from fedcore.engine.optim import ClientData, TrainSettings  # noqa: E402
-from fedcore.engine.roles import FitResult, module_state  # noqa: E402
+from fedcore.engine.roles import Client, FitResult, module_state  # noqa: E402
 from fedcore.engine.together import one_by_one, train_together  # noqa: E402
 from fedcore.methods import METHODS, method_class  # noqa: E402
 
@@ -121,10 +121,10 @@ def main() -> None:
     for method in a.methods:
         with attention_backend(device):  # as training runs: the math kernel on CPU (vmap has no flash rule there)
             line = f"{method:10s} {bench(method, a.arch, a.batch, a.steps, a.warmup, device, a.amp):10.1f} images/s"
-            if a.clients > 1 and method_class(method).client_role.batchable and device.type == "cuda" \
+            if a.clients > 1 and method_class(method).client_role.together is not Client.together and device.type == "cuda" \
                     and a.arch.startswith("vit"):
                 line += "   (the engine trains ViT clients one by one on CUDA: fedcore/engine/together.py, Limits)"
-            elif a.clients > 1 and method_class(method).client_role.batchable:
+            elif a.clients > 1 and method_class(method).client_role.together is not Client.together:
                 alone, together = bench_together(method, a.arch, a.batch, a.steps, a.clients, device, a.amp)
                 line += f"   {a.clients} clients one by one: {alone:10.1f}, together: {together:10.1f} images/s"
         print(line)

@@ -94,13 +94,14 @@ class RecordingClient(BatchableClient):
 
 
 class RawClient(RecordingClient):
-    raw_batches = True
+    def train_augment(self, base):
+        return tuple(self.augment), tuple(base)
 
 
 @pytest.mark.parametrize("client, augment, changed, base", [
     (RecordingClient, [], False, ()),                          # no augment: batches as before
     (RecordingClient, ["crop_flip"], True, ()),                # every method's batches get the experiment's
-    (RawClient, ["crop_flip"], False, ("crop_flip",)),        # a raw_batches client gets the names instead
+    (RawClient, ["crop_flip"], False, ("crop_flip",)),        # a client that applies it itself gets the names
 ])
 def test_the_experiments_augment_reaches_every_clients_batches(tiny_run_files, tmp_path, monkeypatch, client,
                                                                 augment, changed, base):

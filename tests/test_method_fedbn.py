@@ -9,6 +9,7 @@ import torch
 
 from conftest import scratch_run
 from fedcore.backbones.registry import build_backbone, prompt_adapter
+from fedcore.engine.roles import Client
 from fedcore.methods.fedbn import FedBN, FedBNClient
 
 BN_KEYS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
@@ -53,7 +54,7 @@ def test_run_keeps_batchnorm_apart_averages_the_rest_and_matches_one_by_one(pft_
     # one round: together and one by one agree up to float reassociation inside vmap, which later rounds of
     # from-scratch training amplify (1e-6 after one round, 5e-5 after two)
     together = scratch_run(pft_files, tmp_path / "together1", "fedbn", rounds=1)
-    monkeypatch.setattr(FedBNClient, "batchable", False)
+    monkeypatch.setattr(FedBNClient, "together", Client.together)
     alone = scratch_run(pft_files, tmp_path / "alone", "fedbn", rounds=1)
     acc = lambda r: r.metrics[r.metrics.metric.str.startswith("acc")].reset_index(drop=True)  # noqa: E731
     pd.testing.assert_frame_equal(acc(together), acc(alone), atol=1e-5, rtol=0)

@@ -363,9 +363,11 @@ def test_share_none_sends_and_receives_no_model_tensor():
 
 
 def _spy_starts(monkeypatch) -> list[tuple[int, dict[str, torch.Tensor]]]:
-    """Record each client's prompts and head as its local training begins (after the downlink was loaded)."""
+    """Record each client's prompts and head as its local training begins (after the downlink was loaded); its
+    clients train one by one (``train`` is the one-by-one update; clients trained together are compared elsewhere)."""
     starts: list[tuple[int, dict[str, torch.Tensor]]] = []
     original = FedHPLClient.train
+    monkeypatch.setattr(loop, "_why_not_together", lambda method: "forced one by one")
 
     def train(self, model, cid, *args):
         starts.append((cid, {k: v.detach().clone() for k, v in model.state_dict().items()

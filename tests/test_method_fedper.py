@@ -10,7 +10,7 @@ import torch
 
 from conftest import scratch_run
 from fedcore.backbones.registry import build_backbone, prompt_adapter
-from fedcore.engine.roles import FitResult, RoundInfo
+from fedcore.engine.roles import Client, FitResult, RoundInfo
 from fedcore.methods.fedper import FedPer, FedPerClient
 
 HEAD = ["head.weight", "head.bias"]
@@ -46,7 +46,7 @@ def test_run_keeps_heads_apart_sends_the_rest_and_matches_one_by_one(pft_files, 
     # one round: together and one by one agree up to float reassociation inside vmap, which later rounds of
     # from-scratch training amplify (1e-6 after one round, 5e-5 after two)
     together = scratch_run(pft_files, tmp_path / "together1", "fedper", rounds=1)
-    monkeypatch.setattr(FedPerClient, "batchable", False)
+    monkeypatch.setattr(FedPerClient, "together", Client.together)
     alone = scratch_run(pft_files, tmp_path / "alone", "fedper", rounds=1)
     acc = lambda r: r.metrics[r.metrics.metric.str.startswith("acc")].reset_index(drop=True)  # noqa: E731
     pd.testing.assert_frame_equal(acc(together), acc(alone), atol=1e-5, rtol=0)

@@ -254,7 +254,7 @@ def test_a_run_trains_end_to_end_and_its_moco_state_survives_a_resume(tiny_run_f
 
 
 def test_the_base_augmentation_reaches_the_ce_view_only_and_moco_views_start_from_the_raw_batch():
-    """A21 with A5: FedPFT takes raw batches (raw_batches), applies the experiment's augment to its CE view and
+    """A21 with A5: FedPFT takes raw batches (train_augment), applies the experiment's augment to its CE view and
     makes both MoCo views from the un-augmented images."""
     method = _method()
     model, moco = _ready(method)
@@ -265,7 +265,7 @@ def test_the_base_augmentation_reaches_the_ce_view_only_and_moco_views_start_fro
     data.base_augment = ("crop_flip", "rotate15")
     feature, _ = phase_plan(method.params, 2)[0]
     method.client.losses(model, feature, next(data.batches()), data, moco)
-    assert type(method.client).raw_batches
+    assert method.client.train_augment(("crop_flip",)) == ((), ("crop_flip",))
     assert calls == [("crop_flip", True), ("rotate15", False), ("moco_v1", True), ("moco_v1", True)]
 class _Pipe64(InputPipeline):
     """PIPE in float64: the batched and the one-by-one round are compared without fp32 rounding, which the

@@ -181,10 +181,13 @@ def test_batched_clients_equal_one_by_one_and_resume_is_exact(trained_files, tmp
 
 # ---- FedHPL's setting (spec fedhpl §2, §5; Table 5) ------------------------------------------------------
 def test_local_epochs_param_overrides_the_experiments_and_trains_one_by_one():
+    from fedcore.engine.batching import epochs_of_loss
     from fedcore.engine.optim import TrainSettings
 
     method = _method(local_epochs=3)
-    assert not method.client.batchable and _method().client.batchable   # default: SGPT's runs unchanged
+    model = method.model
+    assert "one pass" in method.client.together("cpu", model).how        # its own epochs: in one pass only
+    assert "vmap" in epochs_of_loss(method.client, "cpu", model, epochs=None).how   # the experiment's: vmap too
     calls = []
     x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 4
     data = ClientData(0, 8, lambda: calls.append(1) or iter([Batch(x, y, torch.arange(8), {})]), torch.Generator())

@@ -12,7 +12,14 @@ from typing import Callable
 
 import torch
 
+from fedcore.engine.batching import OnePassEval, check_alike, one_pass_on
 from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
+from fedcore.engine.onepass import Owners, concat_batches, with_stacked
+from fedcore.engine.precision import rules_device
+from fedcore.engine.roles import module_state
+
+#: at most this many clients' copies of an evaluation batch go through one pass (personalised models scored together)
+CLIENTS_PER_PASS = 8
 
 
 @dataclass
@@ -45,6 +52,61 @@ def predict(method, model, split: DeviceSplit, indices: torch.Tensor, pipeline: 
     out = [method.evaluator.predict(model, b).argmax(dim=1)
            for b in iterate_batches(split, indices, batch_size, pipeline)]
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long, device=indices.device)
+
+
+@torch.no_grad()
+def predict_clients(method, model, plan: OnePassEval, stacked: dict[str, torch.Tensor], split: DeviceSplit,
+                    indices: torch.Tensor, pipeline: InputPipeline, batch_size: int) -> list[torch.Tensor]:
+    """Predicted labels for ``split`` at ``indices`` of each client whose tensors are stacked (client axis first) in
+    ``stacked``: every batch scored by up to ``CLIENTS_PER_PASS`` clients' models in one pass."""
+    k = len(next(iter(stacked.values())))
+    out: list[list[torch.Tensor]] = [[] for _ in range(k)]
+    for b in iterate_batches(split, indices, batch_size, pipeline):
+        for lo in range(0, k, CLIENTS_PER_PASS):
+            rows = tuple(range(lo, min(k, lo + CLIENTS_PER_PASS)))
+            owners = Owners(rows, (len(b.y),) * len(rows))
+            batch = b if len(rows) == 1 else concat_batches([b] * len(rows))
+            logits = with_stacked(model, stacked, plan.predict, batch, owners)
+            for r, part in zip(rows, owners.split(logits)):
+                out[r].append(part.argmax(dim=1))
+    empty = torch.empty(0, dtype=torch.long, device=indices.device)
+    return [torch.cat(p) if p else empty for p in out]
+
+
+def _personal_predictions(method, sets: EvalSets, pipeline: InputPipeline, batch_size: int,
+                          load: Callable[[int | None], torch.nn.Module], num_clients: int
+                          ) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+    """Per client, its own model's predictions on the pooled local test set and (predictions, labels) on the global
+    test set: one client at a time, or the clients of one model together where the evaluator offers a one pass (the
+    same predictions; each client's model is loaded in turn either way)."""
+    out: list = [None] * num_clients
+    groups: dict[int, tuple[torch.nn.Module, OnePassEval, list[int], list[dict]]] = {}
+    for c in range(num_clients):
+        model = load(c)
+        device = rules_device(next(iter(model.parameters())))
+        plan = method.evaluator.one_pass(model) if one_pass_on(device) else None
+        if plan is None:
+            pred = predict(method, model, sets.source, sets.pooled, pipeline, batch_size)
+            out[c] = (pred, _global_predictions(method, model, sets, pred, pipeline, batch_size))
+            continue
+        group = groups.setdefault(id(model), (model, plan, [], []))
+        group[2].append(c)
+        group[3].append(module_state(model, method.keys(c)))
+    for model, plan, clients, snaps in groups.values():
+        keys = list(snaps[0])
+        names = keys if plan.per_client is None else [k for k in keys if k in set(plan.per_client)]
+        check_alike(snaps, [k for k in keys if k not in names])
+        stacked = {n: torch.stack([s[n] for s in snaps]) for n in names}
+        pooled = predict_clients(method, model, plan, stacked, sets.source, sets.pooled, pipeline, batch_size)
+        if sets.global_test == "official_test":
+            idx = torch.arange(len(sets.official.y), device=sets.official.y.device)
+            official = predict_clients(method, model, plan, stacked, sets.official, idx, pipeline, batch_size)
+        for i, c in enumerate(clients):
+            if sets.global_test == "official_test":
+                out[c] = (pooled[i], (official[i], sets.official.y))
+            else:
+                out[c] = (pooled[i], _global_predictions(method, model, sets, pooled[i], pipeline, batch_size))
+    return out
 
 
 def _client_correct(pred_pooled: torch.Tensor, sets: EvalSets, client: int) -> tuple[int, int]:
@@ -112,12 +174,10 @@ def evaluate_round(method, sets: EvalSets, pipeline: InputPipeline, batch_size: 
     else:
         # each client's own model: local accuracy on its test set, global accuracy on the global test set
         global_accs, class_accs = [], []
-        for c in range(num_clients):
-            model = load(c)
-            pred = predict(method, model, sets.source, sets.pooled, pipeline, batch_size)
+        for c, (pred, (g_pred, g_labels)) in enumerate(_personal_predictions(method, sets, pipeline, batch_size, load,
+                                                                            num_clients)):
             k, n = _client_correct(pred, sets, c)
             local_acc.append(k / max(n, 1))
-            g_pred, g_labels = _global_predictions(method, model, sets, pred, pipeline, batch_size)
             global_accs.append(_global_acc(sets, g_pred, g_labels))
             rows.append((c, "global", "acc", global_accs[-1]))
             if per_class:

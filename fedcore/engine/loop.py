@@ -17,9 +17,8 @@ from fedcore.engine.evaluate import EvalSets, evaluate_round
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.placement import Boundary, check_model_device, place
 from fedcore.engine.precision import rules_device
-from fedcore.engine.roles import FitResult, Method, Payload, RoundContext, RoundInfo, payload_numbers
+from fedcore.engine.roles import FitResult, Method, Payload, RoundContext, RoundInfo, Together, payload_numbers
 from fedcore.engine.sampling import stream_seed
-from fedcore.engine.together import has_attention
 from fedcore.io import atomic_torch_save
 from fedcore.metrics import METRIC_COLUMNS, METRIC_DTYPES
 
@@ -40,8 +39,11 @@ class RunSpec:
     final_window: int = 1             # the last rounds are always evaluated (the report window)
     method_params: dict[str, Any] = field(default_factory=dict)  # the method's (or variant's) params
     # the experiment's base augmentation of every method's training batches (FedPFT §8 A21), applied before the
-    # method's own ``Client.augment``; a ``Client.raw_batches`` client gets it as ``ClientData.base_augment``
+    # method's own ``Client.augment``, or handed to the client as ``ClientData.base_augment`` (``Client.train_augment``)
     augment: tuple[str, ...] = ()
+    # torch.compile mode of the one-pass step of clients trained together (fedcore/engine/onepass.py: "default",
+    # "reduce-overhead" = CUDA graphs, "max-autotune"); None (default): eager. Applied on CUDA only, never on the CPU
+    compile: str | None = None
 
     @property
     def seed(self) -> int:
@@ -54,6 +56,8 @@ class RunSpec:
                     self.final_window, self.method_params]
         if self.augment:  # only when set: the checkpoints of runs without one keep their fingerprint
             settings.append(list(self.augment))
+        if self.compile:  # compiled kernels reassociate floats: a checkpoint of an eager run is not resumed
+            settings.append({"compile": self.compile})
         blob = json.dumps(settings, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()
 
@@ -140,9 +144,10 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
     """
     fed = spec.federation
     rounds, num_clients = int(fed["rounds"]), len(client_train)
-    settings = TrainSettings(int(fed["local_epochs"]), int(fed["batch_size"]), dict(spec.optimizer))
-    eval_bs = int(spec.evaluation.get("batch_size", 4 * settings.batch_size))
     device = train.x.device
+    settings = TrainSettings(int(fed["local_epochs"]), int(fed["batch_size"]), dict(spec.optimizer),
+                             compile=spec.compile if device.type == "cuda" else None)
+    eval_bs = int(spec.evaluation.get("batch_size", 4 * settings.batch_size))
     check_model_device(method.models, device)
     roles = Boundary(method, device)  # every state and payload a role hands over comes out on the run's device
     ckpt = Checkpoint(checkpoint_path, spec.fingerprint(), checkpoint_inputs)
@@ -154,12 +159,11 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
     # and torch raises; PFLlib's loaders drop_last); frozen or BatchNorm-free models see every sample
     single_ok = [not trains_batchnorm(method.model_for(c)) for c in range(num_clients)]
 
-    base = tuple(spec.augment)
-    augment = tuple(client.augment) if client.raw_batches else base + tuple(client.augment)
+    augment, handed = client.train_augment(tuple(spec.augment))
 
     def data_of(c: int, r: int, stream: int = 0) -> ClientData:
         return _client_data(c, r, spec.seed, client_train[c], train, pipeline, settings, augment, stream,
-                            min_batch=1 if single_ok[c] else 2, base_augment=base if client.raw_batches else ())
+                            min_batch=1 if single_ok[c] else 2, base_augment=handed)
 
     state = ckpt.load()
     if state is None:
@@ -179,16 +183,16 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
         return clients[c] if c in clients else roles.client_init(c)
 
     why_not = _why_not_together(method)
-    log.info("clients train %s", "together (one vectorised pass per step)" if why_not is None
-             else f"one by one: {why_not}")
+    log.info("clients train %s", f"together: {_how_together(method)}" if why_not is None else f"one by one: {why_not}")
     bar = tqdm(range(state["round"] + 1, rounds + 1), disable=not progress, desc=spec.identity["method"],
                initial=state["round"], total=rounds)
     for r in bar:
         info = RoundInfo(r, num_clients, float(fed["participation"]), spec.seed)
         selected, state["server"] = roles.select(info, state["server"])
         datas = [data_of(c, r) for c in selected]
-        if why_not is None and len(selected) > 1 and len({method.backbone_index(c) for c in selected}) == 1:
-            outcomes = _fit_together(roles, state["server"], [client_state(c) for c in selected], datas, settings)
+        if why_not is None and len(selected) > 1:
+            outcomes = _fit_groups(roles, state["server"], [client_state(c) for c in selected], datas, settings,
+                                   spec.seed, r)
         else:
             outcomes = (_fit_one(roles, state["server"], client_state(d.cid), d, settings, spec.seed, r)
                         for d in datas)
@@ -204,8 +208,8 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
         state["server"] = roles.aggregate(info, state["server"], results)
         losses = [float(res.stats.get("loss", float("nan"))) for res in results]
         state["rows"].append((r, -1, "train", "loss", float(sum(losses) / len(losses))))
-        if client.log_stats:
-            state["rows"].extend(_stat_rows(r, results))
+        state["rows"].extend((r, -1, "train", name, float(v))
+                             for name, v in method.strategy.train_metrics(info, results).items())
         model = method.models[0].eval()  # evaluation: BatchNorm uses its statistics, dropout is off
         evaluator.load(model, None, state["server"], None, None)
         ctx = RoundContext(r, spec.evaluated(r), train, client_train, eval_sets, pipeline, eval_bs)
@@ -246,18 +250,6 @@ def _upload_rows(r: int, results: list[FitResult]) -> list[tuple[int, int, str, 
     return rows
 
 
-def _stat_rows(r: int, results: list[FitResult]) -> list[tuple[int, int, str, str, float]]:
-    """Each training stat besides ``loss`` as its mean over the round's clients that report it (NaN-free):
-    per-phase losses for a paper's loss curves (FedPFT Fig. 5)."""
-    names = sorted({k for res in results for k in res.stats} - {"loss"})
-    rows = []
-    for name in names:
-        values = [float(res.stats[name]) for res in results if name in res.stats]
-        values = [v for v in values if v == v]
-        rows.append((r, -1, "train", name, sum(values) / len(values) if values else float("nan")))
-    return rows
-
-
 def _client_data(c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSplit, pipeline: InputPipeline,
                  settings: TrainSettings, augment: tuple[str, ...] = (), stream: int = 0,
                  min_batch: int = 1, base_augment: tuple[str, ...] = ()) -> ClientData:
@@ -283,24 +275,57 @@ def _fit_one(roles: Boundary, server: Payload, state: Payload, data: ClientData,
     return roles.fit(data.cid, state, roles.downlink(server, data.cid), data, settings)
 
 
+def _plan(method: Method, model: torch.nn.Module) -> Together:
+    """The client's together path for ``model`` on the run's device (its rules' device type)."""
+    return method.client.together(rules_device(_a_tensor_of(model)), model)
+
+
 def _why_not_together(method: Method) -> str | None:
-    """Why a round's clients cannot train together (None: they can)."""
-    client = method.client
-    blocker = client.together_blocker()
-    if blocker is not None:
-        return blocker
-    if client.keep_optimizer:
-        return "the client keeps its optimiser across rounds"
-    model = method.models[0]
-    if rules_device(_a_tensor_of(model)) == "cuda" and has_attention(model) and not client.attention_together_on_cuda:
-        return "attention on CUDA: one client at a time is faster there (fedcore/engine/together.py, Limits)"
-    return None
+    """Why no round's clients can train together (None: those that share a model can, where it offers a path)."""
+    plans = [_plan(method, m) for m in method.models]
+    return None if any(p.fit is not None for p in plans) else plans[0].why_not
+
+
+def _how_together(method: Method) -> str:
+    """How the clients of each model train together (or why not), for the run log."""
+    lines = []
+    for m in method.models:
+        p = _plan(method, m)
+        line = p.how if p.fit is not None else f"one by one ({p.why_not})"
+        if line not in lines:
+            lines.append(line)
+    return "; ".join(lines)
+
+
+def _fit_groups(roles: Boundary, server: Payload, states: list[Payload], datas: list[ClientData],
+                settings: TrainSettings, seed: int, r: int) -> list[tuple[Payload, FitResult]]:
+    """The round's clients, in its order: those that share a model trained together where the client offers a path
+    for it (``_fit_together``), the others one by one; every client's downlink from the round's server state. On the
+    CPU a round whose clients train several models groups them only where the path is exact (as before the one pass,
+    vmapped groups of such a round train one by one: their numbers would move by float reassociation)."""
+    method = roles.method
+    groups: dict[int, list[int]] = {}
+    for i, d in enumerate(datas):
+        groups.setdefault(method.backbone_index(d.cid), []).append(i)
+    out: list[tuple[Payload, FitResult] | None] = [None] * len(datas)
+    for b, idx in groups.items():
+        plan = _plan(method, method.models[b])
+        cpu = rules_device(_a_tensor_of(method.models[b])) == "cpu"
+        if len(idx) > 1 and plan.fit is not None and (len(groups) == 1 or plan.exact or not cpu):
+            done = _fit_together(roles, server, [states[i] for i in idx], [datas[i] for i in idx], settings)
+        else:
+            done = [_fit_one(roles, server, states[i], datas[i], settings, seed, r) for i in idx]
+        for i, o in zip(idx, done, strict=True):
+            out[i] = o
+    return out  # type: ignore[return-value]
 
 
 def _fit_together(roles: Boundary, server: Payload, states: list[Payload], datas: list[ClientData],
                   settings: TrainSettings) -> list[tuple[Payload, FitResult]]:
-    """The round's clients trained in one vectorised pass per step (the client's ``fit_together``)."""
-    return roles.fit_together(states, [roles.downlink(server, d.cid) for d in datas], datas, settings)
+    """Clients of one model trained together by the path their client offers for it (``Client.together``)."""
+    model = roles.method.model_for(datas[0].cid).train()
+    return roles.fit_together(_plan(roles.method, model).fit, states, [roles.downlink(server, d.cid) for d in datas],
+                              datas, settings)
 
 
 def _a_tensor_of(model: torch.nn.Module) -> torch.Tensor:

@@ -12,8 +12,8 @@ from torch import Tensor, nn
 from fedcore.engine.data import Batch, InputPipeline
 from fedcore.engine.precision import autocast_for
 
-__all__ = ["TrainSettings", "ClientData", "autocast_for", "make_optimizer", "run_epochs", "epoch_stream",
-           "only_training"]
+__all__ = ["TrainSettings", "ClientData", "OptimizerSpec", "autocast_for", "optimizer_spec", "make_optimizer",
+           "run_epochs", "epoch_stream", "only_training"]
 
 
 @dataclass
@@ -23,6 +23,9 @@ class TrainSettings:
     local_epochs: int
     batch_size: int
     optimizer: dict = field(default_factory=dict)
+    #: ``torch.compile`` mode of the one-pass step (fedcore/engine/onepass.py; "reduce-overhead": CUDA graphs), None:
+    #: eager; the engine sets it from ``RunSpec.compile`` on CUDA only
+    compile: str | None = None
 
 
 @dataclass
@@ -38,26 +41,48 @@ class ClientData:
     # the run's augmentation ``name`` of a model-ready batch, drawing from ``generator`` (views a method makes
     # itself, e.g. FedPFT's two MoCo views; fedcore.engine.data.InputPipeline.augment); None outside a run
     augment: Callable[[Tensor, str], Tensor] | None = None
-    # the experiment's base augmentation (names, in order) that a ``Client.raw_batches`` client applies itself to
-    # the un-augmented batches it gets (FedPFT: to its CE view, not to the images its MoCo views are made from)
+    # the experiment's base augmentation (names, in order) that the client applies itself to the batches it gets
+    # (``Client.train_augment``; FedPFT: to its CE view, not to the images its MoCo views are made from)
     base_augment: tuple[str, ...] = ()
     # the run's input pipeline behind ``augment`` (which draws from ``generator``): its draw/apply split lets clients
     # trained together make their views in one batched call; None outside a run
     pipeline: InputPipeline | None = None
 
 
-def make_optimizer(params: list[nn.Parameter], cfg: dict) -> torch.optim.Optimizer:
-    """The experiment's optimiser over ``params``."""
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The experiment's optimiser, read once from its ``optimizer`` block (other keys ignored): what every client
+    optimiser is built from, torch's (``make_optimizer``) and the functional one of clients trained together."""
+
+    name: str
+    lr: float
+    momentum: float = 0.0          # SGD only
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam/AdamW: torch's defaults, which the config does not set
+    eps: float = 1e-8
+
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def optimizer_spec(cfg: dict | OptimizerSpec) -> OptimizerSpec:
+    """The validated optimiser of an ``optimizer`` block (the one place its defaults live)."""
+    if isinstance(cfg, OptimizerSpec):
+        return cfg
     name = cfg.get("name", "sgd")
-    lr = cfg.get("lr", 0.01)
-    wd = cfg.get("weight_decay", 0.0)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.get("momentum", 0.0), weight_decay=wd)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=wd)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
-    raise ValueError(f"optimizer.name must be sgd|adam|adamw, got {name!r}")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer.name must be sgd|adam|adamw, got {name!r}")
+    return OptimizerSpec(name, float(cfg.get("lr", 0.01)), float(cfg.get("momentum", 0.0)) if name == "sgd" else 0.0,
+                         float(cfg.get("weight_decay", 0.0)))
+
+
+def make_optimizer(params: list[nn.Parameter] | list[dict], cfg: dict | OptimizerSpec) -> torch.optim.Optimizer:
+    """The experiment's torch optimiser over ``params`` (tensors, or parameter groups with their own ``lr``)."""
+    spec = optimizer_spec(cfg)
+    if spec.name == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    cls = torch.optim.Adam if spec.name == "adam" else torch.optim.AdamW
+    return cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
 
 
 def run_epochs(params: list[nn.Parameter], data: ClientData, settings: TrainSettings, epochs: int,

@@ -14,7 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from fedcore.engine.optim import ClientData, TrainSettings
-    from fedcore.engine.roles import FitResult, Method, Payload, RoundInfo
+    from fedcore.engine.roles import FitResult, FitTogether, Method, Payload, RoundInfo
 
 
 def place(payload: Any, device: torch.device) -> Any:
@@ -105,11 +105,11 @@ class Boundary:
         new_state, result = self.method.client.fit(cid, state, downlink, data, settings)
         return self.place(new_state), self._result(result)
 
-    def fit_together(self, states: list["Payload"], downlinks: list["Payload"], datas: list["ClientData"],
-                     settings: "TrainSettings") -> list[tuple["Payload", "FitResult"]]:
-        """The round's clients trained together: each one's new state and result."""
-        return [(self.place(s), self._result(r))
-                for s, r in self.method.client.fit_together(states, downlinks, datas, settings)]
+    def fit_together(self, fit: "FitTogether", states: list["Payload"], downlinks: list["Payload"],
+                     datas: list["ClientData"], settings: "TrainSettings") -> list[tuple["Payload", "FitResult"]]:
+        """The round's clients trained together by the client's ``fit`` (its ``Together``): each one's new state and
+        result."""
+        return [(self.place(s), self._result(r)) for s, r in fit(states, downlinks, datas, settings)]
 
     def _result(self, result: "FitResult") -> "FitResult":
         return replace(result, uplink=self.place(result.uplink))

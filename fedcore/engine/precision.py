@@ -2,7 +2,7 @@
 
 Training and evaluation run under bf16 autocast on CUDA (the frozen backbone dominates the cost) and in full
 precision on the CPU, which keeps CPU runs bit-exact (``AUTOCAST``). The engine's other choices that depend on the
-device (whether a round's attention models may train together in one vmapped pass; FedPFT's ``client_batching:
+device (``Client.together``: which path a round's clients take, one pass or vmap; FedPFT's ``client_batching:
 auto``) ask :func:`rules_device`.
 
 CI has no GPU, so :func:`cuda_rules_on_cpu` lets a test meet on the CPU what only CUDA's rules raise: every choice is

@@ -9,16 +9,19 @@ each client's complete state and the server state (both checkpointed every round
 * ``Strategy``: ``init_state`` (server state, default ``{"model": <shared tensors>}``), ``setup`` (a once-per-
   run exchange before round 1), ``select`` (the round's clients), ``configure`` (one client's downlink),
   ``observe`` (one client's result, as it arrives), ``aggregate`` (uplinks -> next server state; default:
-  sample-weighted average of ``uplink["model"]``).
+  sample-weighted average of ``uplink["model"]``), ``train_metrics`` (per-round training metrics from the round's
+  results besides the mean loss, as Flower's fit-metrics aggregation; default none).
 * ``Client``: ``init_state`` (what a client keeps across rounds: its personal tensors, and its optimiser
   state when ``keep_optimizer``), ``fit`` = ``start`` (load downlink, then own state) -> ``train`` (epochs of
   ``loss``) -> ``finish`` (new state + ``upload``). ``shared_keys``/``personal_keys`` split the model's
-  state; ``augment`` names on-device training augmentations; ``batchable`` lets the engine train a round's
-  clients together (fedcore/engine/together.py) when the update is exactly ``train``'s default; a client with
-  its own update may train its clients together by overriding ``fit_together`` (and ``together_blocker``, which
-  says when it cannot: FedPFT's phases and MoCo state).
+  state; ``augment`` names on-device training augmentations, ``train_augment`` which of the experiment's base
+  augmentation the engine applies and which the client applies itself. One optional capability, ``together``:
+  whether and how a round's clients that share a model train together (a :class:`Together`: the callable that
+  trains them, or why they cannot), asked per device type and model; fedcore/engine/batching.py builds the
+  generic paths (one pass through the frozen backbone, vmap) from what a client declares.
 * ``Evaluator``: ``load`` (the model that scores client ``cid``, or the global model), ``predict``,
-  ``round_rows`` (extra per-round metrics for a paper's figures).
+  ``round_rows`` (extra per-round metrics for a paper's figures), ``one_pass`` (optional: the clients' own models
+  score a batch together).
 
 A ``Method`` is the recipe: its params, the trainable model around a frozen backbone (``build``), the
 per-sample artifacts it needs (``artifacts``), the other dataset bundles it reads (``extra_datasets``: e.g.
@@ -36,11 +39,11 @@ from torch.nn import functional as F
 from fedcore.constraints import Constraint, violations
 from fedcore.engine.aggregation import weighted_average
 from fedcore.engine.data import Batch, check_augment
-from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, epoch_stream, run_epochs
+from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, run_epochs
 from fedcore.engine.sampling import sample_clients
-from fedcore.engine.together import train_together
 
 if TYPE_CHECKING:
+    from fedcore.engine.batching import OnePassEval
     from fedcore.engine.data import DeviceSplit, InputPipeline
     from fedcore.engine.evaluate import EvalSets
 
@@ -56,6 +59,42 @@ class FitResult:
     num_samples: int
     uplink: Payload
     stats: dict[str, float]
+
+
+def mean_stats(results: Sequence[FitResult]) -> dict[str, float]:
+    """Each training stat besides ``loss`` as its mean over the results that report it (NaN-free), by name: e.g.
+    per-phase losses for a paper's loss curves (a strategy's ``train_metrics``)."""
+    out = {}
+    for name in sorted({k for res in results for k in res.stats} - {"loss"}):
+        values = [float(res.stats[name]) for res in results if name in res.stats]
+        values = [v for v in values if v == v]
+        out[name] = sum(values) / len(values) if values else float("nan")
+    return out
+
+
+#: trains a round's clients together: their states, downlinks, data and settings -> each client's (new state,
+#: result) in the same order, as ``Client.fit`` gives them one by one
+FitTogether = Callable[[list["Payload"], list["Payload"], list[ClientData], TrainSettings],
+                       list[tuple["Payload", FitResult]]]
+
+
+@dataclass(frozen=True)
+class Together:
+    """A client's answer to ``Client.together``: how a round's clients of one model train together (``fit``, and
+    ``how`` for the run log), or why they train one by one (``why_not``). Every client trained together gets its
+    downlink from the same server state, so a strategy whose ``observe`` changes what later clients receive
+    must not offer one."""
+
+    fit: FitTogether | None = None
+    why_not: str = ""
+    how: str = ""
+    #: the path gives every client its one-by-one numbers bit for bit on this device (the one pass on the CPU)
+    exact: bool = False
+
+    @classmethod
+    def no(cls, why: str) -> "Together":
+        """One by one, because ``why``."""
+        return cls(None, why)
 
 
 @dataclass
@@ -156,48 +195,21 @@ class Role:
 class Client(Role):
     """Client update, FedAvg default: load the downlink, train every parameter with CE, upload the whole state."""
 
-    #: the engine may train a round's clients together: the update is exactly ``train``'s default (epochs of
-    #: ``loss``, a fresh optimiser, no randomness inside ``loss``)
-    batchable: ClassVar[bool] = False
     #: keep the optimiser's state across rounds (part of the client's state and of every checkpoint)
     keep_optimizer: ClassVar[bool] = False
     #: on-device augmentations of training batches (fedcore.engine.data.AUGMENTATIONS), seeded per client/round
     augment: ClassVar[tuple[str, ...]] = ()
-    #: the client gets un-augmented batches and applies the experiment's base augmentation (``ClientData.
-    #: base_augment``) itself where it wants it (FedPFT: its CE view; its MoCo views start from the raw images)
-    raw_batches: ClassVar[bool] = False
-    #: the engine logs every stat of ``FitResult.stats`` (not only ``loss``), as its mean over the round's clients
-    log_stats: ClassVar[bool] = False
 
-    #: the client's attention layers may train together on CUDA too: they run in fp32 and are small (FedPFT's τ),
-    #: so the limits of vmapped attention there (fedcore/engine/together.py) do not apply
-    attention_together_on_cuda: ClassVar[bool] = False
+    def train_augment(self, base: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(what the engine applies to every training batch, in order; what it hands over as ``ClientData.
+        base_augment`` for the client to apply where it wants) given the experiment's base augmentation ``base``.
+        Default: the engine applies ``base``, then the client's own ``augment``."""
+        return tuple(base) + tuple(self.augment), ()
 
-    def together_blocker(self) -> str | None:
-        """Why this client's rounds cannot train together (None: they can); default: unless ``batchable``."""
-        if self.batchable:
-            return None
-        return f"{type(self).__name__} does not declare batchable (its update is not the default epochs of loss)"
-
-    def fit_together(self, states: list[Payload], downlinks: list[Payload], datas: list[ClientData],
-                     settings: TrainSettings) -> list[tuple[Payload, FitResult]]:
-        """The round's clients (one model) in one vectorised pass per step, equal to ``fit`` for each up to float
-        reassociation; default: epochs of ``loss`` (fedcore/engine/together.py's ``train_together``)."""
-        cid0 = datas[0].cid
-        model = self.method.model_for(cid0).train()
-        keys, trainable = self.method.keys(cid0), self.method.trainable_keys(cid0)
-        starts = []
-        for st, down, d in zip(states, downlinks, datas, strict=True):
-            self.start(model, d.cid, st, down)
-            starts.append(module_state(model, keys))
-        streams = [epoch_stream(d, settings.local_epochs) for d in datas]
-        with autocast_for(next(iter(model.parameters()))):
-            finals = train_together(model, keys, trainable, starts, streams, self.loss, settings.optimizer)
-        out = []
-        for st, d, (final, loss) in zip(states, datas, finals, strict=True):
-            load_state(model, final)
-            out.append(self.finish(model, d.cid, st, d, {"loss": loss}, None))
-        return out
+    def together(self, device: str, model: nn.Module) -> Together:
+        """Whether and how a round's clients that train ``model`` train together on a device of type ``device``
+        (the rules' device: fedcore.engine.precision.rules_device). Default: one by one."""
+        return Together.no(f"{type(self).__name__} declares no way to train a round's clients together")
 
     def shared_keys(self, keys: list[str]) -> list[str]:
         """State keys sent to the server (default: all)."""
@@ -289,6 +301,11 @@ class Strategy(Role):
                                names=list(state["model"]))
         return {**state, "model": new}
 
+    def train_metrics(self, info: RoundInfo, results: list[FitResult]) -> dict[str, float]:
+        """Training metrics of the round besides the mean loss, logged for client -1 (default: none; ``mean_stats``
+        gives every stat's mean over the clients)."""
+        return {}
+
 
 class Evaluator(Role):
     """Scores one global model for everyone (default) or each client's own model (``personalized``)."""
@@ -307,6 +324,11 @@ class Evaluator(Role):
         """Logits at evaluation time."""
         with autocast_for(batch.x):
             return model(batch.x).float()
+
+    def one_pass(self, model: nn.Module) -> "OnePassEval | None":
+        """How the clients' own models (``personalized``) score a batch together, each client's tensors stacked
+        (fedcore/engine/batching.py), or None (default): one client's model at a time."""
+        return None
 
     def round_rows(self, ctx: RoundContext, model: nn.Module, server: Payload) -> list[tuple[int, str, str, float]]:
         """Extra (client, split, metric, value) rows for this round, global model loaded (default: none)."""

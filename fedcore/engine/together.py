@@ -46,9 +46,10 @@ on the in-place update of a captured tensor; :func:`can_vmap` checks BatchNorm b
 be a scalar mean over the batch; attention runs the math kernel, and on CUDA (torch 2.11, H100) its backward
 under vmap fails with bf16 autocast ("expected input and grad types to match") while the fused kernels' fails
 in any precision ("LSE is not correctly aligned"); in fp32 it ran, but 3.5x slower than one client at a time for
-ViT-B/16 prompts (510 vs 1,806 images/s, 5 clients, batch 40), so the engine trains attention models together
-only on CPU (:func:`has_attention`); ``loss_fn`` sees the real module (its tensors swapped by
-``functional_call``), so it must not hold on to the module's tensors across calls.
+ViT-B/16 prompts (510 vs 1,806 images/s, 5 clients, batch 40), so on CUDA the engine never vmaps attention
+models (:func:`has_attention`; prompt models take the one pass, fedcore/engine/onepass.py); ``loss_fn`` sees the
+real module (its tensors swapped by ``functional_call``), so it must not hold on to the module's tensors across
+calls.
 """
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from fedcore.engine.optim import OptimizerSpec, make_optimizer, optimizer_spec
 
 Result = list[tuple[dict[str, Tensor], float]]
 _END = object()
@@ -102,35 +105,6 @@ def default_batch_len(batch: Any) -> int:
         if isinstance(leaf, Tensor):
             return len(leaf)
     raise ValueError("a batch must hold at least one tensor")
-
-
-@dataclass(frozen=True)
-class _Hyper:
-    """The optimiser's settings, with torch.optim's defaults for what the config leaves out."""
-
-    name: str
-    lr: float
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-
-
-def _hyper(cfg: dict) -> _Hyper:
-    """Validated optimiser settings from the experiment's ``optimizer`` dict (other keys ignored)."""
-    name = cfg.get("name", "sgd")
-    if name not in ("sgd", "adam", "adamw"):
-        raise ValueError(f"optimizer.name must be sgd|adam|adamw, got {name!r}")
-    return _Hyper(name, float(cfg.get("lr", 0.01)), float(cfg.get("momentum", 0.0)) if name == "sgd" else 0.0,
-                  float(cfg.get("weight_decay", 0.0)))
-
-
-def _torch_optimizer(params: list[Tensor] | list[dict], hp: _Hyper) -> torch.optim.Optimizer:
-    """The torch.optim optimiser that the functional update reproduces."""
-    if hp.name == "sgd":
-        return torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
-    cls = torch.optim.Adam if hp.name == "adam" else torch.optim.AdamW
-    return cls(params, lr=hp.lr, weight_decay=hp.weight_decay)
 
 
 def _check(model: nn.Module, names: list[str], trainable: list[str]) -> tuple[set[str], set[str]]:
@@ -221,7 +195,7 @@ def _take(t: Tensor, rows: Tensor | None) -> Tensor:
 
 
 @torch.no_grad()
-def _update(hp: _Hyper, state: dict[str, Tensor], moments: dict[str, dict[str, Tensor]],
+def _update(hp: OptimizerSpec, state: dict[str, Tensor], moments: dict[str, dict[str, Tensor]],
             grads: dict[str, Tensor], rows: Tensor | None, steps: dict[str, int], lrs: dict[str, float]) -> None:
     """One optimiser step on the group's rows, with the operations of torch.optim's single-tensor code; ``steps``:
     how many steps each tensor took before (the same for the group's rows), ``lrs``: per-tensor learning rates."""
@@ -305,7 +279,7 @@ def train_phases_together(model: nn.Module, names: list[str], phases: dict[Any, 
     and no optimiser step there (torch.optim skips it), as :func:`phases_one_by_one` with ``requires_grad``
     off. ``lrs``: learning rates of single tensors (torch's parameter groups), default the optimiser's lr.
     """
-    hp = _hyper(optimizer)
+    hp = optimizer_spec(optimizer)
     lrs = dict(lrs or {})
     trained, buffers = _check_phases(model, names, phases, mutable, lrs)
     k = len(starts)
@@ -420,7 +394,7 @@ def phases_one_by_one(model: nn.Module, names: list[str], phases: dict[Any, Phas
                       batch_len: Callable[[Any], int] = default_batch_len) -> list[Trained]:
     """The reference of :func:`train_phases_together`: each client in turn, loaded into ``model``, one fresh torch
     optimiser (a parameter group per learning rate) over every phase, each phase's tensors alone requiring grad."""
-    hp = _hyper(optimizer)
+    hp = optimizer_spec(optimizer)
     lrs = dict(lrs or {})
     trained, _ = _check_phases(model, names, phases, mutable, lrs)
     carries = carries if carries is not None else [{} for _ in starts]
@@ -444,7 +418,7 @@ def phases_one_by_one(model: nn.Module, names: list[str], phases: dict[Any, Phas
             by_lr: dict[float, list[Tensor]] = {}
             for n in trained:
                 by_lr.setdefault(lrs.get(n, hp.lr), []).append(params[n])
-            opt = _torch_optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], hp)
+            opt = make_optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], hp)
             carry = {n: t.detach().clone() for n, t in own.items()}
             sums: dict[str, Tensor] = {}
             seen: dict[str, int] = {}

@@ -6,7 +6,7 @@ The roles (client update, server strategy, evaluator) and the ``Method`` recipe 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -15,10 +15,12 @@ from torch.nn import functional as F
 from fedcore.backbones.prompted import PromptedViT, init_prompts
 from fedcore.constraints import Choice, Constraint, Int, Number, RunFacts, Violation
 from fedcore.engine.data import Batch
+from fedcore.engine.onepass import Owners
 from fedcore.engine.optim import ClientData, autocast_for
-from fedcore.engine.roles import Client, Evaluator, Method, Payload, RoundInfo, Strategy
+from fedcore.engine.batching import OnePass, OnePassEval, epochs_of_loss
+from fedcore.engine.roles import Client, Evaluator, Method, Payload, RoundInfo, Strategy, Together
 
-__all__ = ["PromptClassifier", "PromptMethod", "BatchableClient", "EveryClient", "PersonalEvaluator",
+__all__ = ["PromptClassifier", "PromptMethod", "BatchableClient", "ce_losses", "prompt_one_pass", "EveryClient", "PersonalEvaluator",
            "WholeModelClassifier", "WholeModelMethod", "raw_backbone", "whole_model", "PrototypeMethod",
            "PrototypeClient", "PrototypeEvaluator", "prototype_loss", "prototype_uplink", "nearest_prototype_logits",
            "CommonDim", "per_class_sums", "TEACHER", "TEACHER_MASK", "with_teacher", "distillation_loss", "kd_loss", "DistillClient"]
@@ -43,15 +45,18 @@ class PromptClassifier(nn.Module):
             raise ValueError(f"prompt_mode must be none|shallow|deep, got {prompt_mode!r}")
         self.head = nn.Linear(dim, num_classes)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """CLS feature after the final norm, with this model's prompts inserted."""
-        prompts = {i: p for i, p in enumerate(self.prompts)}
+    def features(self, x: torch.Tensor, owners: Owners | None = None) -> torch.Tensor:
+        """CLS feature after the final norm, with this model's prompts inserted (``owners``: one pass, each sample
+        with its own client's prompts, fedcore/engine/onepass.py)."""
+        prompts = {i: p if owners is None else owners.expand(p) for i, p in enumerate(self.prompts)}
         mode = "replace" if self.prompt_mode == "deep" else "insert"
         return self.backbone.forward_tokens(x, prompts, mode=mode)[:, 0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits."""
-        return self.head(self.features(x))
+    def forward(self, x: torch.Tensor, owners: Owners | None = None) -> torch.Tensor:
+        """Logits (``owners``: one pass, each sample through its own client's prompts and head)."""
+        if owners is None:
+            return self.head(self.features(x))
+        return owners.linear(self.features(x, owners), self.head.weight, self.head.bias)
 
 
 class PromptMethod(Method):
@@ -65,10 +70,24 @@ class PromptMethod(Method):
         return PromptClassifier(backbone, self.num_classes, self.prompt_mode, int(self.params.get("num_prompts", 0)))
 
 
-class BatchableClient(Client):
-    """The default update (CE epochs, fresh optimiser, nothing random in the loss): clients may train together."""
+def ce_losses(model: nn.Module, batch: Batch, owners: Owners) -> Tensor:
+    """Each client's cross-entropy of ``model(x, owners)`` on its own segment of a concatenated batch (one pass)."""
+    return owners.per_client(F.cross_entropy, model(batch.x, owners), batch.y)
 
-    batchable = True
+
+def prompt_one_pass(model: nn.Module, losses: Callable[[nn.Module, Batch, Owners], Tensor]) -> OnePass | None:
+    """A prompted classifier's one pass: every state tensor (prompts, head, buffers such as a teacher) per client,
+    read per sample by its forward; None for a model that cannot take ``owners`` (an entire trained backbone)."""
+    return OnePass(losses) if isinstance(model, PromptClassifier) else None
+
+
+class BatchableClient(Client):
+    """The default update (CE epochs, fresh optimiser, nothing random in the loss): clients may train together, in one
+    pass where the model is a prompted classifier, else vmapped."""
+
+    def together(self, device: str, model: nn.Module) -> Together:
+        """The generic paths of the default update (fedcore/engine/batching.py)."""
+        return epochs_of_loss(self, device, model, one_pass=prompt_one_pass(model, ce_losses))
 
 
 class VPTMethod(PromptMethod):
@@ -92,6 +111,19 @@ class PersonalEvaluator(Evaluator):
     """Each client is scored with its own model: the downlink's tensors, then its personal ones."""
 
     personalized = True
+
+    def one_pass(self, model: nn.Module) -> OnePassEval | None:
+        """Prompted classifiers scored by the default ``predict``: every client's prompts and head read per sample, the
+        clients scored together."""
+        default = type(self).predict is Evaluator.predict
+        return OnePassEval(prompt_logits) if default and isinstance(model, PromptClassifier) else None
+
+
+@torch.no_grad()
+def prompt_logits(model: nn.Module, batch: Batch, owners: Owners) -> Tensor:
+    """``Evaluator.predict`` of a concatenated batch, each segment with its own client's prompts and head."""
+    with autocast_for(batch.x):
+        return model(batch.x, owners).float()
 
 
 # ---- methods that train the entire model ------------------------------------------------------------
@@ -377,6 +409,15 @@ class DistillClient(Client):
         p = self.params
         return kd_loss(model(batch.x).float(), batch.y, getattr(model, TEACHER), getattr(model, TEACHER_MASK),
                        float(p["gamma"]), float(p["temperature"]))
+
+    def client_losses(self, model: nn.Module, batch: Batch, owners: Owners) -> Tensor:
+        """``loss`` of each client on its own segment of a concatenated batch, towards its own teacher (one pass)."""
+        p = self.params
+        logits = model(batch.x, owners).float()
+        return torch.stack([kd_loss(z, y, t, m, float(p["gamma"]), float(p["temperature"]))
+                            for z, y, t, m in zip(owners.split(logits), owners.split(batch.y),
+                                                  owners.of(getattr(model, TEACHER)),
+                                                  owners.of(getattr(model, TEACHER_MASK)))])
 
     @torch.no_grad()
     def local_logits(self, model: nn.Module, data: ClientData) -> tuple[Tensor, Tensor]:

@@ -21,9 +21,11 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedcore.constraints import Flag, Int
+from fedcore.engine.batching import OnePass, OnePassEval, epochs_of_loss
 from fedcore.engine.data import Batch
+from fedcore.engine.onepass import Owners
 from fedcore.engine.optim import autocast_for
-from fedcore.engine.roles import Client, Evaluator, Method, Payload, RoundInfo, Strategy
+from fedcore.engine.roles import Client, Evaluator, Method, Payload, RoundInfo, Strategy, Together
 
 TOKENS = "clip_tokens"  # batch extras name (and artifact key) of the frozen CLIP image tokens
 CTX_STD = 0.02          # CoOp's random context init, N(0, 0.02^2)
@@ -72,6 +74,19 @@ class ContextPrompts(nn.Module):
         """(P, n_ctx, text_width): the prompts in ``names`` order."""
         return torch.stack([getattr(self, n) for n in self.names])
 
+    def client_text_features(self, owners: Owners) -> list[Tensor]:
+        """One pass (each context stacked per client): each segment's client's (P, K, D) ``text_features``, all the
+        clients' P x K prompts through the text tower in one call."""
+        rows = [torch.stack(parts) for parts in zip(*(owners.of(getattr(self, n)) for n in self.names))]
+        feats = self.clip.encode_text_with_context(torch.cat(rows), self.token_ids, self.token_eot)
+        # normalised per client, as its one-by-one update does: the gradient that reaches each normalisation then has
+        # the layout it has there (its reductions' order depends on it)
+        out = []
+        for f in feats.split(len(self.names)):
+            with fp32(f):
+                out.append(F.normalize(f.float(), dim=-1))
+        return out
+
     def text_features(self) -> Tensor:
         """(P, K, D) normalised fp32 text features of every prompt for every class; computed once per loaded
         context when no gradient is wanted (evaluation: one text pass per client, not per batch)."""
@@ -85,9 +100,16 @@ class ContextPrompts(nn.Module):
         self._cache = None if torch.is_grad_enabled() else (key, feats)
         return feats
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits (B, K): CLS cosine with the (mean) prompt text feature, times CLIP's scale."""
-        text = self.text_features()
+    def forward(self, tokens: Tensor, owners: Owners | None = None) -> Tensor:
+        """Logits (B, K): CLS cosine with the (mean) prompt text feature, times CLIP's scale (``owners``: one pass,
+        each segment with its own client's prompts)."""
+        if owners is not None:
+            return torch.cat([self.forward_text(t, text) for t, text in
+                              zip(owners.split(tokens), self.client_text_features(owners))])
+        return self.forward_text(tokens, self.text_features())
+
+    def forward_text(self, tokens: Tensor, text: Tensor) -> Tensor:
+        """Logits of the tokens (B, 1+M, D) against the prompts' text features ``text`` (P, K, D)."""
         with fp32(text):
             return cls_logits(tokens, text.mean(0), self.logit_scale)
 
@@ -107,6 +129,15 @@ class ClipClient(Client):
         """CE over all the dataset's classes (spec §1.2: also where a client holds only some)."""
         return F.cross_entropy(model(image_tokens(batch)), batch.y)
 
+    def client_losses(self, model: nn.Module, batch: Batch, owners: Owners) -> Tensor:
+        """Each client's ``loss`` on its segment of a concatenated batch, with its own contexts (one pass)."""
+        return owners.per_client(F.cross_entropy, model(image_tokens(batch), owners), batch.y)
+
+    def together(self, device: str, model: nn.Module) -> Together:
+        """The round's contexts in one pass: every client's prompts through the text tower in one call per step."""
+        return epochs_of_loss(self, device, model, vmap=False,
+                              one_pass=OnePass(self.client_losses, per_client=self.method.prompt_names))
+
 
 class ClipEvaluator(Evaluator):
     """Scores the global prompts (PromptFL, zero-shot) on the cached image tokens."""
@@ -122,6 +153,19 @@ class PersonalClipEvaluator(ClipEvaluator):
     """Each client scored with its own prompts (the downlink's, then its personal ones) on its own test split."""
 
     personalized = True
+
+    def one_pass(self, model: nn.Module) -> OnePassEval | None:
+        """Every client's prompts through the text tower at once, each segment scored against its own."""
+        if type(self).predict is not ClipEvaluator.predict:
+            return None
+        return OnePassEval(clip_logits, per_client=self.method.prompt_names)
+
+
+@torch.no_grad()
+def clip_logits(model: nn.Module, batch: Batch, owners: Owners) -> Tensor:
+    """``ClipEvaluator.predict`` of a concatenated batch, each segment with its own client's prompts."""
+    with autocast_for(batch.x):
+        return model(image_tokens(batch), owners).float()
 
 
 class FirstRoundAll(Strategy):

@@ -15,7 +15,7 @@ factor, mean over the whole batch (Alg. 1 divides the bracket by bs). A class th
 teacher and its samples get CE only (C.4's "replace p̃ by the local logit" gives KL = 0); in round 1 no
 class has one, so round 1 is CE only. The teacher reaches the loss as two buffers of the client's model
 (``teacher``, ``teacher_mask``) loaded from the downlink, so that clients sharing one backbone can train
-together (one vmap over their stacked state; engine ``batchable``) with each its own teacher.
+together (``Client.together``: one pass or one vmap over their stacked state) with each its own teacher.
 
 Upload (§1.5). After local training, one pass over the client's own train set, no gradient, eval mode, no
 augmentation. ``upload: All`` sends the raw logits with their labels of the samples it predicts correctly;
@@ -63,11 +63,12 @@ from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.resnet import PromptedResNet
 from fedcore.constraints import Choice, Flag, Int, Number
 from fedcore.engine.aggregation import weighted_average
+from fedcore.engine.batching import epochs_of_loss
 from fedcore.engine.optim import ClientData
-from fedcore.engine.roles import (FitResult, Method, Payload, RoundContext, RoundInfo, State, Strategy, load_state,
-                                  module_state)
+from fedcore.engine.roles import (FitResult, Method, Payload, RoundContext, RoundInfo, State, Strategy, Together,
+                                  load_state, module_state)
 from fedcore.methods.base import (TEACHER, TEACHER_MASK, DistillClient, PersonalEvaluator, PromptClassifier,
-                                  per_class_sums, with_teacher)
+                                  per_class_sums, prompt_one_pass, with_teacher)
 
 UPLOADS = ("All", "Average")
 BETAS = ("dims", "uniform")
@@ -155,8 +156,10 @@ class FedHPLClient(DistillClient):
     """CE + logit distillation on prompts and head; uploads per-class knowledge (logits), and no tensor of its
     model unless ``share`` names one (+P: the prompts, +H: the head)."""
 
-    #: clients sharing one backbone may train together when the optimiser is fresh each round (see module doc)
-    batchable = True
+    def together(self, device: str, model: nn.Module) -> Together:
+        """Clients sharing one backbone may train together (the default epochs of ``loss``, the teacher in buffers;
+        see the module doc)."""
+        return epochs_of_loss(self, device, model, one_pass=prompt_one_pass(model, self.client_losses))
 
     @property
     def keep_optimizer(self) -> bool:  # type: ignore[override]  # a param here, a class constant elsewhere

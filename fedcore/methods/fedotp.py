@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedcore.constraints import Choice, Int, Number
+from fedcore.engine.onepass import Owners
 from fedcore.methods.clip_prompt import ClipPromptMethod, ContextPrompts, PersonalClipEvaluator, fp32
 from fedcore.methods.ot import STOPS, sinkhorn, unbalanced_ot
 
@@ -31,9 +32,14 @@ def ot_logits(patches: Tensor, text: Tensor, scale: float, params: dict[str, Any
     """(B, K) logits = scale * sum_{m,n} T * sim (spec §1.8): patches (B, M, D) normalised, text (N, K, D)
     normalised, sim (B, K, M, N) their cosines, T the plan of the detached cost 1 - sim (a constant of the loss)."""
     with fp32(patches):
-        sim = torch.einsum("bmd,nkd->bkmn", patches.float(), text.float())
+        sim = similarities(patches, text)
         plan = solve_plans(1.0 - sim.detach(), params)
         return scale * (plan * sim).sum((-2, -1))
+
+
+def similarities(patches: Tensor, text: Tensor) -> Tensor:
+    """(B, K, M, N) cosines of normalised patches (B, M, D) and prompts' text features (N, K, D), in fp32."""
+    return torch.einsum("bmd,nkd->bkmn", patches.float(), text.float())
 
 
 class OTPrompts(ContextPrompts):
@@ -44,12 +50,23 @@ class OTPrompts(ContextPrompts):
         super().__init__(*args, **kwargs)
         self.params = params
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits (B, K) from the cached image tokens (B, 1+M, D)."""
+    def forward(self, tokens: Tensor, owners: Owners | None = None) -> Tensor:
+        """Logits (B, K) from the cached image tokens (B, 1+M, D); ``owners``: one pass, each segment with its own
+        client's prompts, and, where each problem stops on its own (``ot_stop: problem``), one OT solve for all."""
+        if owners is None or self.params["ot"] == "similarity" or self.params["ot_stop"] != "problem":
+            return super().forward(tokens, owners)
+        with fp32(tokens):
+            sims = [similarities(F.normalize(t[:, 1:].float(), dim=-1), text)
+                    for t, text in zip(owners.split(tokens), self.client_text_features(owners))]
+            plans = solve_plans(1.0 - torch.cat(sims).detach(), self.params).split(list(owners.sizes))
+            return torch.cat([self.logit_scale * (plan * sim).sum((-2, -1)) for plan, sim in zip(plans, sims)])
+
+    def forward_text(self, tokens: Tensor, text: Tensor) -> Tensor:
+        """Logits (B, K) from the cached image tokens (B, 1+M, D) against the prompts' text features (P, K, D)."""
         if self.params["ot"] == "similarity":
-            return super().forward(tokens)
+            return super().forward_text(tokens, text)
         patches = F.normalize(tokens[:, 1:].float(), dim=-1)
-        return ot_logits(patches, self.text_features(), self.logit_scale, self.params)
+        return ot_logits(patches, text, self.logit_scale, self.params)
 
 
 class FedOTP(ClipPromptMethod):

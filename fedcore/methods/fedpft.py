@@ -18,7 +18,7 @@ sum L_CE + L_Con (no weights, §1.5):
   it learns from L_CE only; τ takes L_Con's gradient too (Eq. 6 literally, §8 A4; ``tau_con_grad_task: false``:
   only p_ρ learns from L_Con here).
 L_CE reads the base view (the experiment's ``augment``, spec §2's per-dataset transform, the same for every method
-of the experiment: §8 A5, A21; the client takes raw batches and applies it to this view only), L_Con two MoCo v1 views
+of the experiment: §8 A5, A21; ``train_augment`` leaves it to the client, which applies it to this view only), L_Con two MoCo v1 views
 (``moco_augment``) of the same batch (§1.5): q = norm(h_ρ(τ([φ(x'), p_ρ])_0)), k = norm(h̃_ρ(τ([φ̃(x''), p_ρ])_0))
 with the same τ and p_ρ under no gradient; MoCo's order per step: momentum update of the key encoder, key, loss,
 optimiser step, enqueue (in both phases, §8 A3).
@@ -62,9 +62,8 @@ from torch.utils._pytree import tree_map
 from fedcore.constraints import Choice, Flag, Int, Number
 from fedcore.engine.data import AUGMENTATIONS, PIXEL_AUGMENTATIONS
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer, only_training
-from fedcore.engine.precision import rules_device
-from fedcore.engine.roles import (Client, FitResult, Method, Payload, RoundInfo, Strategy, load_state,
-                                  module_state)
+from fedcore.engine.roles import (Client, FitResult, Method, Payload, RoundInfo, Strategy, Together, load_state,
+                                  mean_stats, module_state)
 from fedcore.engine.sampling import stream_seed
 from fedcore.engine.together import Phase as StepKind, Trained, train_phases_together
 from fedcore.methods.base import INITS, PersonalEvaluator, random_weights, raw_backbone
@@ -134,22 +133,22 @@ class Drawn(NamedTuple):
 class FedPFTClient(Client):
     """The alternating local round; uploads φ, τ, h_κ, h_ρ; keeps its prompts and MoCo state."""
 
-    log_stats = True  # per-phase L_CE / L_Con means (Fig. 5)
-    raw_batches = True  # the experiment's base augmentation goes to the CE view only; MoCo views start from x
+    def train_augment(self, base: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The experiment's base augmentation goes to the CE view only (the client applies it); the MoCo views
+        start from the un-augmented batch."""
+        return tuple(self.augment), tuple(base)
 
-    attention_together_on_cuda = True  # τ runs in fp32 (PFTModel.transform) and is one layer over 1 + n tokens
-
-    def together_blocker(self) -> str | None:
+    def together(self, device: str, model: nn.Module) -> Together:
         """``client_batching``: batched / one_by_one as asked; auto: together only on a device where the batched
-        round was measured faster (``BATCHED_FASTER_ON``), one by one elsewhere."""
+        round was measured faster (``BATCHED_FASTER_ON``), one by one elsewhere. Its vmapped round runs on CUDA
+        too: τ, its only attention, runs in fp32 (PFTModel.transform) and is one layer over 1 + n tokens."""
         mode = self.params["client_batching"]
         if mode == "one_by_one":
-            return "method_params client_batching: one_by_one"
-        device = rules_device(next(iter(self.method.models[0].parameters())))
+            return Together.no("method_params client_batching: one_by_one")
         if mode == "auto" and device not in BATCHED_FASTER_ON:
-            return (f"client_batching: auto trains FedPFT's clients one by one on the {device.upper()}: batching was "
-                    "not measured faster there (benchmarks/bench_fedpft.py)")
-        return None
+            return Together.no(f"client_batching: auto trains FedPFT's clients one by one on the {device.upper()}: "
+                               "batching was not measured faster there (benchmarks/bench_fedpft.py)")
+        return Together(self.fit_together, how="FedPFT's phases, one vmapped pass per step")
 
     def _personal(self, key: str) -> bool:
         return key in PROMPTS or (self.params["classifier"] == "personal" and key.startswith("head."))
@@ -394,6 +393,10 @@ class FedPFTStrategy(Strategy):
     def aggregate(self, info: RoundInfo, state: Payload, results: list[FitResult]) -> Payload:
         """The sample-weighted average, and the round just done."""
         return {**super().aggregate(info, state, results), "rounds_done": info.round}
+
+    def train_metrics(self, info: RoundInfo, results: list[FitResult]) -> dict[str, float]:
+        """The per-phase L_CE / L_Con means over the round's clients (Fig. 5)."""
+        return mean_stats(results)
 
 
 class FedPFT(Method):

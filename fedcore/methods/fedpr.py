@@ -6,9 +6,11 @@ import torch
 from torch import Tensor, nn
 
 from fedcore.constraints import Flag, Int, Number
+from fedcore.engine.batching import OnePass, epochs_of_loss
+from fedcore.engine.onepass import AfterStep
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer
-from fedcore.engine.roles import Client, FitResult, Payload, RoundInfo, Strategy
-from fedcore.methods.base import PromptMethod
+from fedcore.engine.roles import Client, FitResult, Payload, RoundInfo, Strategy, Together
+from fedcore.methods.base import PromptMethod, ce_losses
 
 #: eigenvalues at or below this fraction of the largest are exact zeros up to float64 rounding
 _RANK_RTOL = 1e-10
@@ -71,6 +73,19 @@ class FedPRServer(Strategy):
 
 class FedPRClient(Client):
     """Cross-entropy training with every prompt step projected onto the global prompts' null space."""
+
+    def together(self, device: str, model: nn.Module) -> Together:
+        """A round's clients in one pass (each step projected per client as below), never vmapped."""
+        return epochs_of_loss(self, device, model, one_pass=OnePass(ce_losses, after_step=self.projection),
+                              vmap=False)
+
+    @staticmethod
+    def projection(downlinks: list[Payload]) -> AfterStep:
+        """After each step, client ``i``'s change of a protected prompt projected onto its downlink's null space."""
+        def project(i: int, name: str, new: Tensor, old: Tensor) -> Tensor | None:
+            basis = downlinks[i].get("fedpr_basis", {}).get(name)
+            return None if basis is None or basis.shape[1] == 0 else old + project_out(new - old, basis)
+        return project
 
     def train(self, model: nn.Module, cid: int, state: Payload, downlink: Payload, data: ClientData,
               settings: TrainSettings) -> tuple[dict[str, float], None]:

@@ -10,7 +10,8 @@ from torch.nn import functional as F
 
 from fedcore.constraints import Int, Number
 from fedcore.engine.optim import ClientData
-from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy
+from fedcore.engine.batching import epochs_of_loss
+from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, Together
 from fedcore.engine.sampling import stream_seed
 from fedcore.methods.base import PROTO_MASK, PROTOS, PrototypeClient, PrototypeMethod, prototype_uplink
 
@@ -56,9 +57,10 @@ def generator_loss(protos: Tensor, labels: Tensor, generated: Tensor, margin: fl
 class FedTGPClient(PrototypeClient):
     """CE + λ · MSE to the generated global prototypes; uploads each class's mean feature after training."""
 
-    #: the update is the default epochs of ``loss`` (prototypes in buffers, nothing random): clients of one
-    #: architecture may train together
-    batchable = True
+    def together(self, device: str, model: nn.Module) -> Together:
+        """The update is the default epochs of ``loss`` (prototypes in buffers, nothing random): clients of one
+        architecture may train together."""
+        return epochs_of_loss(self, device, model)
 
     def upload(self, model: nn.Module, cid: int, data: ClientData, stats: dict[str, float]) -> Payload:
         """Per class present, its label and the mean feature of one more pass over the data (eval mode)."""

@@ -7,9 +7,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from fedcore.engine.batching import OnePass, epochs_of_loss
 from fedcore.engine.data import Batch
+from fedcore.engine.onepass import Owners
 from fedcore.engine.optim import autocast_for
-from fedcore.engine.roles import Client, Evaluator
+from fedcore.engine.roles import Client, Evaluator, Together
 from fedcore.methods.base import PromptMethod
 
 
@@ -19,6 +21,14 @@ class HeadClient(Client):
     def loss(self, model: nn.Module, batch: Batch) -> Tensor:
         """CE of the head alone."""
         return F.cross_entropy(model.head(batch.x), batch.y)
+
+    def client_losses(self, model: nn.Module, batch: Batch, owners: Owners) -> Tensor:
+        """Each client's ``loss`` with its own head on its segment of a concatenated batch (one pass)."""
+        return owners.per_client(F.cross_entropy, owners.linear(batch.x, model.head.weight, model.head.bias), batch.y)
+
+    def together(self, device: str, model: nn.Module) -> Together:
+        """The round's heads in one pass over the concatenated features."""
+        return epochs_of_loss(self, device, model, one_pass=OnePass(self.client_losses), vmap=False)
 
 
 class HeadEvaluator(Evaluator):

@@ -9,7 +9,7 @@ from torch.nn import functional as F
 
 from fedcore.constraints import Int, Number
 from fedcore.engine.data import Batch
-from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer
+from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer, optimizer_spec
 from fedcore.engine.roles import Client, Evaluator, Payload
 from fedcore.methods.base import PromptMethod
 
@@ -36,7 +36,7 @@ class PerFedAvgClient(Client):
               settings: TrainSettings) -> tuple[dict[str, float], None]:
         """First-order Per-FedAvg steps; returns the mean loss at the adapted points."""
         alpha = float(self.params["alpha"])
-        beta = settings.optimizer.get("lr", 0.01) if self.params["beta"] is None else float(self.params["beta"])
+        beta = optimizer_spec(settings.optimizer).lr if self.params["beta"] is None else float(self.params["beta"])
         named = dict(model.named_parameters())
         params = [named[k] for k in self.method.trainable_keys(cid)]
         opt = make_optimizer(params, {**settings.optimizer, "lr": beta})

@@ -9,7 +9,7 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from fedcore.constraints import Flag, Int, Number
-from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer
+from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer, optimizer_spec
 from fedcore.engine.roles import Client, Evaluator, Payload
 from fedcore.methods.base import WholeModelClassifier, WholeModelMethod, random_weights, raw_backbone
 from fedcore.methods.pfedpt import input_side
@@ -208,7 +208,7 @@ class PFedGateClient(Client):
         trainable = self.method.trainable_keys(cid)
         body = [named[k] for k in trainable if not k.startswith(GATE)]
         gate = [named[k] for k in trainable if k.startswith(GATE)]
-        lr = settings.optimizer.get("lr", 0.01) if p["gate_lr"] is None else float(p["gate_lr"])
+        lr = optimizer_spec(settings.optimizer).lr if p["gate_lr"] is None else float(p["gate_lr"])
         opt_body = make_optimizer(body, settings.optimizer)
         opt_gate = make_optimizer(gate, {"name": "sgd", "lr": lr, "momentum": 0.9, "weight_decay": 5e-4})
         if state.get("optimizer"):

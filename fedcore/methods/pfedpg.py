@@ -11,9 +11,10 @@ from torch import Tensor, nn
 from fedcore.constraints import Choice, Int, Number
 from fedcore.backbones.prompted import init_prompts
 from fedcore.engine.aggregation import normalized_weights
+from fedcore.engine.batching import epochs_of_loss
 from fedcore.engine.optim import ClientData, TrainSettings
-from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, load_state
-from fedcore.methods.base import BatchableClient, PersonalEvaluator, PromptMethod
+from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, Together, load_state
+from fedcore.methods.base import BatchableClient, PersonalEvaluator, PromptMethod, ce_losses, prompt_one_pass
 
 PROMPT = "prompts.0"  # the VPT-shallow prompt tokens (num_prompts, D) that the generator produces
 GENERATOR = ("descriptors", "keys", "basis")  # server_state tensors of the generator
@@ -44,11 +45,12 @@ class PFedPGClient(BatchableClient):
         load_state(model, state.get("model", {}))
         load_state(model, downlink["model"])
 
-    @property
-    def batchable(self) -> bool:  # type: ignore[override]
-        """Clients train together at the experiment's epochs (the engine's batched path runs those); one by one,
-        with the same result, when ``local_epochs`` overrides them."""
-        return self.params["local_epochs"] is None
+    def together(self, device: str, model: nn.Module) -> Together:
+        """Clients train together at their epochs (``local_epochs`` or the experiment's); vmapped only at the
+        experiment's (where its runs always did), in one pass at either."""
+        epochs = self.params["local_epochs"]
+        return epochs_of_loss(self, device, model, one_pass=prompt_one_pass(model, ce_losses), vmap=epochs is None,
+                              epochs=epochs)
 
     def train(self, model: nn.Module, cid: int, state: Payload, downlink: Payload, data: ClientData,
               settings: TrainSettings) -> tuple[dict[str, float], dict | None]:

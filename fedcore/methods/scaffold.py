@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from fedcore.constraints import Flag, Number
 from fedcore.engine.aggregation import normalized_weights, weighted_average
-from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
+from fedcore.engine.optim import ClientData, TrainSettings, optimizer_spec, run_epochs
 from fedcore.engine.roles import Client, FitResult, Payload, RoundInfo, State, Strategy, module_state
 from fedcore.methods.base import WholeModelMethod
 
@@ -68,7 +68,7 @@ class ScaffoldClient(Client):
         y = module_state(model, keys)
         x = {k: downlink["model"][k].to(y[k].device) for k in keys}
         c, c_i = _or_zeros(downlink.get("control", {}), y), _or_zeros(state.get("control", {}), y)
-        new_c_i = option_two(c_i, c, x, y, steps, float(settings.optimizer.get("lr", 0.01)))
+        new_c_i = option_two(c_i, c, x, y, steps, float(optimizer_spec(settings.optimizer).lr))
         buffers = [k for k in self.shared_keys(self.method.keys(cid)) if k not in set(keys)]
         uplink = {"delta": {k: y[k] - x[k] for k in keys}, "delta_control": {k: new_c_i[k] - c_i[k] for k in keys},
                   "buffers": module_state(model, buffers)}

@@ -34,6 +34,8 @@ logged every round (Fig. 3) and Select's clustering accuracy against coarse labe
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -42,9 +44,12 @@ from fedcore.analysis.clustering import hungarian_accuracy
 from fedcore.backbones.prompted import PromptedViT, init_prompts
 from fedcore.constraints import EMBED_DIM, LAST_CLIENT, BlockIndex, BlockList, Choice, Flag, Int, Number
 from fedcore.engine.aggregation import weighted_average
+from fedcore.engine.batching import in_passes, one_pass_on, start_states
 from fedcore.engine.data import Batch
-from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, only_training, run_epochs
-from fedcore.engine.roles import Client, Evaluator, FitResult, Method, Payload, RoundContext, RoundInfo, Strategy
+from fedcore.engine.onepass import Owners, train_one_pass
+from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, epoch_stream, only_training, run_epochs
+from fedcore.engine.roles import (Client, Evaluator, FitResult, Method, Payload, RoundContext, RoundInfo, Strategy,
+                                  Together, load_state)
 
 QUERY = "select_query"  # the batch extra holding each sample's cached Select query
 
@@ -101,15 +106,22 @@ class SGPTModel(nn.Module):
         self.keys = nn.Parameter(orthogonal_keys(groups, dim))
         self.head = nn.Linear(dim, num_classes)
 
-    def forward(self, x: Tensor, groups: Tensor | None = None) -> Tensor:
-        """Logits; ``groups`` (B,) switches the group prompts on (None: Block I path, CLS feature)."""
-        prompts: dict[int, Tensor] = {b: p for b, p in zip(self.shared_blocks, self.shared)}
+    def forward(self, x: Tensor, groups: Tensor | None = None, owners: Owners | None = None) -> Tensor:
+        """Logits; ``groups`` (B,) switches the group prompts on (None: Block I path, CLS feature); ``owners``: one
+        pass (fedcore/engine/onepass.py), each sample with its own client's prompts, group tables and head."""
+        prompts: dict[int, Tensor] = {b: p if owners is None else owners.expand(p)
+                                      for b, p in zip(self.shared_blocks, self.shared)}
         if groups is not None:
             for b, table in zip(self.group_blocks, self.group):
-                g = table[groups].unsqueeze(1)  # (B, 1, D): one token per sample
+                if owners is None:
+                    g = table[groups].unsqueeze(1)  # (B, 1, D): one token per sample
+                else:  # each segment's groups from its own client's table
+                    g = torch.cat([t[gs] for t, gs in zip(owners.of(table), owners.split(groups))]).unsqueeze(1)
                 s = prompts.get(b)
+                if s is not None and owners is None:
+                    s = s.unsqueeze(0).expand(len(g), -1, -1)
                 # a block holding both: the group token goes first, as the code inserts it last
-                prompts[b] = g if s is None else torch.cat([g, s.unsqueeze(0).expand(len(g), -1, -1)], 1)
+                prompts[b] = g if s is None else torch.cat([g, s], 1)
         tokens = self.backbone.forward_tokens(x, prompts, mode="insert")
         # token order after insertion: CLS, group tokens (deepest block first), shared tokens, patches
         grouped = len(self.group_blocks) if groups is not None else 0
@@ -119,7 +131,7 @@ class SGPTModel(nn.Module):
             feat = tokens[:, : grouped + 1].mean(dim=1)  # mean(CLS, group tokens) [code]
         else:
             feat = tokens[:, 0]
-        return self.head(feat)
+        return self.head(feat) if owners is None else owners.linear(feat, self.head.weight, self.head.bias)
 
 
 def assign(queries: Tensor, keys: Tensor, params: dict, freq: Tensor | None, train: bool) -> tuple[Tensor, Tensor]:
@@ -161,12 +173,16 @@ class SGPTClient(Client):
         result.uplink["select_counts"] = counts
         return new_state, result
 
+    def calibration(self, v: Tensor | None) -> Tensor | None:
+        """The training-time selection frequencies q_g from the downlink's counter v (None: plain argmin)."""
+        return (v / v.sum()) if self.params["calibration"] and v is not None and float(v.sum()) > 0 else None
+
     def train_phases(self, model: nn.Module, cid: int, v: Tensor | None, data: ClientData,
                      settings: TrainSettings) -> tuple[dict[str, float], Tensor]:
         """The schedule's phases, each E epochs with a fresh optimiser over only its tensors."""
         p = self.params
         counts = torch.zeros(int(p["groups"]), dtype=torch.float64, device=model.keys.device)
-        freq = (v / v.sum()) if p["calibration"] and v is not None and float(v.sum()) > 0 else None
+        freq = self.calibration(v)
         trainable = self.method.trainable_keys(cid)
         stats: dict[str, float] = {}
         for prefixes, groups_on, key_loss_on in self.phases():
@@ -184,6 +200,64 @@ class SGPTClient(Client):
             with only_training(model, keys) as params:  # frozen tensors get no gradient: the backward stops earlier
                 stats = run_epochs(params, data, settings, settings.local_epochs, loss_fn)[0]
         return stats, counts.clone()
+
+    def together(self, device: str, model: nn.Module) -> Together:
+        """A round's clients in one pass (:meth:`fit_together`), unless the counter changes between them."""
+        if self.params["counter_update"] == "per_client":
+            return Together.no("counter_update: per_client: each client calibrates with the counts of the clients "
+                               "before it in the round")
+        if not one_pass_on(device):
+            return Together.no(f"SGPT trains together in one pass only, not taken on the {device.upper()}")
+        return Together(in_passes(self.fit_together), how="one pass through the frozen backbone per step of each block",
+                        exact=device == "cpu")
+
+    def fit_together(self, states: list[Payload], downlinks: list[Payload], datas: list[ClientData],
+                     settings: TrainSettings) -> list[tuple[Payload, FitResult]]:
+        """The round's clients in one pass per step (fedcore/engine/onepass.py), block after block as :meth:`fit`:
+        each client's batches, Select (with its own keys and calibration), counts, optimisers and stats as there."""
+        m, p = self.method, self.params
+        model = m.model_for(datas[0].cid).train()
+        keys, trainable = m.keys(datas[0].cid), m.trainable_keys(datas[0].cid)
+        current = start_states(self, model, keys, states, downlinks, datas)
+        freqs = [self.calibration(down.get("v")) for down in downlinks]
+        counts = torch.zeros(len(datas), int(p["groups"]), dtype=torch.float64, device=model.keys.device)
+        losses: list[float] = [float("nan")] * len(datas)
+        for prefixes, groups_on, key_loss_on in self.phases():
+            phase = [k for k in trainable if any(k.startswith(x) for x in prefixes)]
+            fn = self._client_losses(groups_on, key_loss_on, freqs, counts)
+            streams = [epoch_stream(d, settings.local_epochs) for d in datas]
+            fitted = train_one_pass(model, keys, phase, current, streams, fn, settings.optimizer,
+                                    compile_mode=settings.compile)
+            current, losses = [f.state for f in fitted], [f.loss for f in fitted]
+        out = []
+        for st, d, final, loss, n in zip(states, datas, current, losses, counts, strict=True):
+            load_state(model, final)
+            new_state, result = self.finish(model, d.cid, st, d, {"loss": loss}, None)
+            result.uplink["select_counts"] = n.clone()
+            out.append((new_state, result))
+        return out
+
+    def _client_losses(self, groups_on: bool, key_loss_on: bool, freqs: list[Tensor | None],
+                       counts: Tensor) -> Any:
+        """One block's loss of each client on its segment (one pass): Select with the client's own keys and
+        calibration, its counts N_g^i, CE (+ the key loss)."""
+        p = self.params
+
+        def losses(model: nn.Module, batch: Batch, owners: Owners) -> Tensor:
+            if not groups_on:
+                return owners.per_client(F.cross_entropy, model(batch.x, None, owners).float(), batch.y)
+            picks = [assign(q, k, p, freqs[r], train=True)
+                     for q, k, r in zip(owners.split(batch.extras[QUERY]), owners.of(model.keys), owners.rows)]
+            if key_loss_on:  # N_g^i counts the selections of the phases that train the keys
+                for r, (groups, _) in zip(owners.rows, picks):
+                    counts[r].add_(torch.bincount(groups, minlength=counts.shape[1]))
+            logits = model(batch.x, torch.cat([g for g, _ in picks]), owners).float()
+            ce = owners.per_client(F.cross_entropy, logits, batch.y)
+            if not key_loss_on:
+                return ce
+            return ce + float(p["key_loss_weight"]) * torch.stack([key for _, key in picks])
+
+        return losses
 
 
 class SGPTServer(Strategy):

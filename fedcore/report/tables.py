@@ -68,7 +68,7 @@ METRIC_KEYS: dict[str, tuple[str, int, str]] = {
     # what the clients sent (the engine counts every uplink): the mean per client and the round's total
     "upload_numbers": ("train", -1, "upload_numbers_mean"),
     "upload_total_M": ("train", -1, "upload_numbers_total"),
-    # mean training losses over the round's clients (FedPFT Fig. 5: L_CE and L_Con, logged by Client.log_stats)
+    # mean training losses over the round's clients (FedPFT Fig. 5: L_CE and L_Con, logged by its Strategy.train_metrics)
     "train_ce": ("train", -1, "ce"),
     "train_con": ("train", -1, "con"),
 }
