@@ -112,10 +112,10 @@ def _as_yaml_scalars(value: Any) -> Any:
     return value
 
 
-def apply_defaults(config: dict) -> dict:
-    """The top-level config with schema defaults filled in and command-line values typed as in a config file."""
-    defaults = {"device": "auto", "results": "results", "resources": "resources", "threads_per_run": 1,
-                "outputs": "all", "allow_folder_layout": False}
+def apply_defaults(config: dict, schema: dict) -> dict:
+    """The top-level config with the schema's defaults (the one place they are written) filled in and command-line
+    values typed as in a config file."""
+    defaults = {k: v["default"] for k, v in schema["$defs"]["top"]["properties"].items() if "default" in v}
     # Snakemake parses `--config seeds=[0,-1]` with YAML's BaseLoader, so every scalar in a list reaches us as
     # a string (['0', '-1']); read them as a config file's YAML would, so both spellings get the same checks
     # and messages ("-1 is less than the minimum of 0", not "'-1' is not of type 'integer'").
@@ -444,7 +444,7 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
     error in any experiment file is reported whatever the chosen scale overrides); return the chosen scale's."""
     root = Path(root)
     schema = _schema(root)
-    top = apply_defaults(dict(config))
+    top = apply_defaults(dict(config), schema)
     validate(top, schema, "top", TOP_WHERE)
     _check_output_dirs(top)
     backbones_file = root / CONFIG_DIR / "backbones.yaml"

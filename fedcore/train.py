@@ -163,11 +163,12 @@ class BuiltRun:
 
 
 def build_run(params: dict[str, Any], identity: dict[str, Any], archs: str | list[str], files: RunFiles,
-              device: torch.device, cache_frozen_features: bool = True) -> BuiltRun:
+              device: torch.device, cache_frozen_features: bool = True, compile: str | None = None) -> BuiltRun:
     """Build one run from its params (Resolved.train_params) and files, as training runs it: the backbones (seeded),
     the method and its models on ``device``, the data with its artifacts, splits and evaluation sets, and the
     run's settings. ``cache_frozen_features``: a head-only method's batches carry its frozen features (training);
-    False keeps images (probes that run the whole model)."""
+    False keeps images (probes that run the whole model). ``compile``: torch.compile mode of the one-pass step on
+    CUDA (None: eager)."""
     bundle = load_bundle(files.dataset)
     part = Partition.load(files.partition)
     check_partition(part, len(bundle.train), len(bundle.test), str(files.partition))
@@ -251,7 +252,7 @@ def build_run(params: dict[str, Any], identity: dict[str, Any], archs: str | lis
     spec = RunSpec(identity=dict(identity), federation=params["federation"], optimizer=params["optimizer"],
                    evaluation=evaluation, final_window=int(params.get("final_window", 1)), augment=augment,
                    method_params={"method": cls.name, **method.params, "client_backbones": client_backbones,
-                                  "backbones": archs})
+                                  "backbones": archs}, compile=compile)
     return BuiltRun(method, train, test, train_idx, eval_sets, pipeline, spec, agg_weights, loaded, device)
 
 
@@ -263,7 +264,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
               stop_after_round: int | None = None, artifacts: dict[str, str | Path] | None = None,
               depends_on: Sequence[str | Path] = (),
               extra_datasets: dict[str, str | Path] | None = None,
-              backbone_sha256: str | None | list[str | None] = None) -> RunResult | None:
+              backbone_sha256: str | None | list[str | None] = None, compile: str | None = None) -> RunResult | None:
     """Train one (experiment, method, seed) and write its metrics Parquet and final state atomically.
 
     ``params['method']`` names the registered method when the run's method is a variant of it
@@ -287,7 +288,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
                      tuple(backbone_weights) if isinstance(backbone_weights, list) else (backbone_weights,),
                      tuple(backbone_sha256) if isinstance(backbone_sha256, list) else (backbone_sha256,),
                      dict(artifacts or {}), dict(extra_datasets or {}))
-    run = build_run(params, identity, backbone_arch, files, dev)
+    run = build_run(params, identity, backbone_arch, files, dev, compile=compile)
     with attention_backend(dev):
         result = run_federated(run.method, run.train, run.test, run.train_idx, run.eval_sets, run.pipeline, run.spec,
                                checkpoint_path, stop_after_round=stop_after_round, progress=progress,

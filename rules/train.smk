@@ -23,6 +23,7 @@ rule train:
         log_history=lambda wc: f"{run_dir(wc.experiment, wc.method, wc.seed)}/attempts.log",
         device=CFG.top["device"],
         threads=CFG.top["threads_per_run"],
+        compile=CFG.top["compile_one_pass"],
     log:
         f"{RESULTS}/logs/train/{SCALE}/{{experiment}}/{{method}}/seed{{seed}}.log",
     threads: 1
