@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,24 +23,10 @@ from fedcore.engine.sampling import stream_seed
 from fedcore.io import atomic_path, atomic_torch_save
 from fedcore.methods import method_class
 from fedcore.partition import Partition
+from fedcore.runtime.device import pick_device
+from fedcore.runtime.seeding import seed_everything
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(requested: str = "auto") -> torch.device:
-    """CUDA when present (or asked for), CPU otherwise; asking for CUDA without one is an error."""
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device: cuda was requested but torch.cuda.is_available() is False")
-    if requested == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda")
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (model initialisation draws from torch's global RNG)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)  # NumPy's legacy seeding takes 32 bits only
-    torch.manual_seed(seed)
 
 
 def check_partition(part: Partition, n_train: int, n_test: int, where: str) -> None:

@@ -31,7 +31,8 @@ ENGINE_SOURCES = sorted(
     + [str(FEDCORE / f) for f in ("backbones/images.py", "backbones/prompted.py", "backbones/vit.py",
                                   "backbones/registry.py", "backbones/resnet.py",
                                   "train.py", "methods/base.py", "methods/__init__.py", "io.py", "metrics.py",
-                                  "artifacts.py")]
+                                  "artifacts/__init__.py", "runtime/__init__.py", "runtime/device.py",
+                                  "runtime/seeding.py")]
 )
 
 

@@ -72,7 +72,7 @@ def tsne_inputs(wildcards):
     return {
         "dataset": dataset_file(exp["dataset"]),
         "backbone": backbone_file(exp["backbone"]),
-        "code": ANALYSIS_CODE + [str(FEDCORE / "features.py")],
+        "code": ANALYSIS_CODE + [str(FEDCORE / "artifacts" / "select_queries.py")],
     }
 
 

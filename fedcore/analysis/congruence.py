@@ -88,7 +88,7 @@ def congruence_table(train_queries: np.ndarray, labels: np.ndarray, label_kind: 
 def write_congruence(queries_path: str | os.PathLike, dataset_path: str | os.PathLike, points: list[dict[str, Any]],
                      k: int, seed: int, out_csv: str | os.PathLike) -> pd.DataFrame:
     """Compute the congruence table from the cached Select queries and the runs' final.pt; write it as CSV."""
-    from fedcore.features import read_select_queries
+    from fedcore.artifacts.select_queries import read_select_queries
 
     train, _, _ = read_select_queries(queries_path)
     labels, kind = reference_labels(dataset_path)

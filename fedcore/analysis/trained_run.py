@@ -86,7 +86,8 @@ def load_trained_run(params: dict[str, Any], identity: dict[str, Any], dataset_p
     from fedcore.data.arrays import load_bundle
     from fedcore.methods import method_class
     from fedcore.partition import Partition
-    from fedcore.train import check_partition, paired_split, pick_device
+    from fedcore.runtime.device import pick_device
+    from fedcore.train import check_partition, paired_split
 
     where = f"run {identity.get('experiment')}/{identity.get('method')}/seed{identity.get('seed')}"
     if not isinstance(arch, str):

@@ -86,7 +86,7 @@ def compute_transport_plans(dataset_path: str | os.PathLike, partition_path: str
     from fedcore.methods import method_class
     from fedcore.partition import Partition
     from fedcore.partition_fedotp import prompt_class_names
-    from fedcore.train import pick_device
+    from fedcore.runtime.device import pick_device
 
     if threads:
         torch.set_num_threads(threads)

@@ -1,6 +1,6 @@
 """SGPT Fig. 5 probe: t-SNE maps of frozen CLS features after several blocks, on a class-balanced subsample.
 
-The backbone is the frozen, un-prompted pretrained ViT (``fedcore.features.layer_features``: final-norm CLS
+The backbone is the frozen, un-prompted pretrained ViT (``artifacts.select_queries.layer_features``: final-norm CLS
 after each requested block, 0-indexed). Samples are balanced over the coarse labels (CIFAR-100's 20
 superclasses; the dataset's classes when it has none). The embedding is computed here, once, so the
 figure only draws it.
@@ -48,8 +48,8 @@ def compute_tsne(dataset_path: str | os.PathLike, arch: str, weights: str | os.P
     from fedcore.backbones.vit import backbone_info, build_vit
     from fedcore.data.arrays import load_bundle
     from fedcore.engine.data import DeviceSplit, InputPipeline
-    from fedcore.features import layer_features
-    from fedcore.train import pick_device
+    from fedcore.artifacts.select_queries import layer_features
+    from fedcore.runtime.device import pick_device
 
     if threads:
         torch.set_num_threads(threads)
