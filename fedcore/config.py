@@ -324,7 +324,7 @@ def run_backbones(exp: dict) -> list[str]:
 def _run_facts(exp: dict, resolved: "Resolved") -> RunFacts:
     """What a run of ``exp`` is checked against, from static registries (nothing is built)."""
     from fedcore.backbones.registry import arch_info
-    from fedcore.partition import num_clients
+    from fedcore.partition.spec import num_clients
 
     facts = dataset_facts(exp["dataset"])
     backbones = []
@@ -336,7 +336,7 @@ def _run_facts(exp: dict, resolved: "Resolved") -> RunFacts:
 
 def _check_partition(name: str, exp: dict, files: str) -> None:
     """The partition fits the dataset (classes, samples per client) and the clients' backbones, from static facts."""
-    from fedcore.partition import num_clients, spec_limits
+    from fedcore.partition.spec import num_clients, spec_limits
 
     facts = dataset_facts(exp["dataset"])
     bad = spec_limits(exp["partition"], facts, exp["dataset"])
@@ -458,7 +458,7 @@ def _check_backbone_entry(name: str, entry: dict, path: Path) -> None:
 def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved:
     """The papers' experiments, variants and reports mapped onto the scale ``top['scale']``, all checked."""
     from fedcore.methods import METHODS, method_class
-    from fedcore.partition import partition_id, validate_spec
+    from fedcore.partition.spec import partition_id, validate_spec
     from fedcore.data.registry import DATASETS
 
     common_file = root / CONFIG_DIR / "scales" / f"{top['scale']}.yaml"

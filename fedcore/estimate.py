@@ -193,7 +193,7 @@ def client_sizes(dataset: str, spec: dict, partition_id: str) -> tuple[tuple[int
     key = (dataset, partition_id)
     if key not in _SIZES:
         from fedcore.data.facts import dataset_facts
-        from fedcore.partition import make_partition
+        from fedcore.partition.make import make_partition
 
         facts = dataset_facts(dataset)
         labels = _synthetic_labels(dataset, facts)

@@ -8,7 +8,7 @@ import torch
 from fedcore.backbones.registry import build_backbone
 from fedcore.backbones.vit import build_vit
 from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
-from fedcore.partition import make_partition
+from fedcore.partition.make import make_partition
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ from fedcore.analysis.transport import FORMAT, pick_images, run_plans
 from fedcore.analysis.tsne import prompt_tsne, read_tsne
 from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
 from fedcore.methods.fedotp import GLOBAL, LOCAL, transport_plans
-from fedcore.partition import Partition
+from fedcore.partition.file import Partition
 from fedcore.report.fig_probes import plan_heat, transport_plans_figure, tsne_figure
 from fedcore.report.plotting import figure_notes
 

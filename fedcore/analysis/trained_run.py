@@ -85,7 +85,7 @@ def load_trained_run(params: dict[str, Any], identity: dict[str, Any], dataset_p
     from fedcore.backbones.vit import backbone_info
     from fedcore.data.arrays import load_bundle
     from fedcore.methods import method_class
-    from fedcore.partition import Partition
+    from fedcore.partition.file import Partition
     from fedcore.runtime.device import pick_device
     from fedcore.train import check_partition, paired_split
 

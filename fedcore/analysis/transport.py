@@ -84,8 +84,8 @@ def compute_transport_plans(dataset_path: str | os.PathLike, partition_path: str
     from fedcore.data.arrays import load_bundle
     from fedcore.engine.data import InputPipeline
     from fedcore.methods import method_class
-    from fedcore.partition import Partition
-    from fedcore.partition_fedotp import prompt_class_names
+    from fedcore.partition.file import Partition
+    from fedcore.partition.class_order import prompt_class_names
     from fedcore.runtime.device import pick_device
 
     if threads:

@@ -115,7 +115,7 @@ def prompt_tsne(final_path: str | os.PathLike, dataset_path: str | os.PathLike, 
     import torch
 
     from fedcore.data.arrays import load_bundle
-    from fedcore.partition import Partition
+    from fedcore.partition.file import Partition
 
     bundle = load_bundle(dataset_path)
     if bundle.train.coarse is None:
