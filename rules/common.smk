@@ -59,12 +59,13 @@ def backbone_file(name):
 def pretrain_code(name):
     """The code a pretraining job runs: the supervised objective's files, and pretrain_moco.py for moco,
     pretrain_clip.py and clip.py for clip."""
-    files = ["pretrain.py", "registry.py", "vit.py", "resnet.py"]
+    files = ["pretrain/__init__.py", "pretrain/common.py", "pretrain/supervised.py", "registry.py", "vit.py",
+             "resnet.py"]
     objective = CFG.backbones[name]["pretrain"].get("objective")
     if objective == "moco":
-        files.append("pretrain_moco.py")
+        files.append("pretrain/moco.py")
     if objective == "clip":
-        files += ["pretrain_clip.py", "clip.py"]
+        files += ["pretrain/clip.py", "clip.py"]
     return [str(FEDCORE / "backbones" / f) for f in files]
 
 

@@ -145,7 +145,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "vit_pfedpt": _vit_scratch(32, dim=128, depth=8, heads=8, mlp_ratio=2.0),
     "vit_pfedpt_mini": _vit_scratch(16, dim=32, depth=4, heads=2, mlp_ratio=2.0),
     # FedOTP's mini CLIP: vit_mini's image tower (width 64, 4 blocks, 4 heads of 16) and a 2-block text tower
-    # of the same width, pretrained contrastively on the held-out digits (pretrain_clip.py).
+    # of the same width, pretrained contrastively on the held-out digits (pretrain/clip.py).
     "clip_mini": _clip_mini(64, dict(width=64, layers=4, head_width=16), dict(width=64, heads=4, layers=2)),
     # FedPFT's extractors, trained from scratch by every FedPFT method (spec fedpft §1.2): ResNet-8 (CIFAR-10) and
     # ResNet-10 (CIFAR-100, Tiny-ImageNet) with torchvision's 7x7 stem; trunk 1,232,704 / 4,905,792 parameters.
@@ -172,10 +172,10 @@ ARCH_SPECS: dict[str, ArchSpec] = {
 
 _DIGITS = "pretrained by the pipeline on the digits bundle's held-out pretrain split (rule pretrain_backbone)"
 _DIGITS_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS, rule="pretrain_backbone")
-# the same split without its labels, by MoCo v3 (pretrain_moco.py): the self-supervised twins of the tiny ViTs
+# the same split without its labels, by MoCo v3 (pretrain/moco.py): the self-supervised twins of the tiny ViTs
 _DIGITS_MOCO_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS.replace("pretrained", "self-supervised (MoCo v3)"),
                                  rule="pretrain_backbone")
-# the same split with captions made from its labels and styles, by CLIP's contrastive objective (pretrain_clip.py)
+# the same split with captions made from its labels and styles, by CLIP's contrastive objective (pretrain/clip.py)
 _DIGITS_CLIP_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS.replace("pretrained", "image-text pretrained (CLIP)"),
                                  rule="pretrain_backbone")
 

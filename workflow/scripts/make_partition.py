@@ -7,8 +7,8 @@ import _log  # noqa: E402
 
 from fedcore.data.arrays import load_bundle  # noqa: E402
 from fedcore.io import atomic_path  # noqa: E402
-from fedcore.partition.make import class_counts, make_partition
-from fedcore.partition.plots import plot_class_heatmap
+from fedcore.partition.make import class_counts, make_partition  # noqa: E402
+from fedcore.partition.plots import plot_class_heatmap  # noqa: E402
 
 _log.setup(snakemake)
 b = load_bundle(snakemake.input[0])
