@@ -16,6 +16,8 @@ import yaml
 
 from fedcore.constraints import BackboneFacts, RunFacts, violations
 from fedcore.data.facts import dataset_facts
+from fedcore.selection import (chosen_outputs, figure_experiments, figure_methods, headline_item, output_runs,
+                               replace_experiment, row_source)
 
 CONFIG_DIR = "config"
 TOP_WHERE = "the top-level config (config/config.yaml or --config)"
@@ -529,8 +531,6 @@ def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolve
 
 def _select_outputs(resolved: Resolved) -> None:
     """Pick the outputs the config's ``outputs`` names and the configured runs they read (fedcore/selection.py)."""
-    from fedcore.selection import chosen_outputs, output_runs
-
     outputs = resolved.top["outputs"]
     headline = {p: r["headline"] for p, r in resolved.reports.items()}
     if outputs == "headline":  # a paper without a list would silently build nothing
@@ -647,8 +647,6 @@ def _load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: 
 def _check_headline(items: list, tables: dict, figures: dict, where: str) -> None:
     """Headline entries name this paper's tables or figures; a part (rows, columns) only of a table, by its row
     keys and column labels or positions."""
-    from fedcore.selection import headline_item
-
     for i, item in enumerate(items):
         name, part = headline_item(item)
         _check_name(name, [*tables, *figures], where, f"headline[{i}]")
@@ -688,58 +686,12 @@ def _runnable(resolved: Resolved) -> set[str]:
     return set(METHODS) | set(resolved.variants)
 
 
-def figure_experiments(fig: dict) -> list[str]:
-    """The experiments a figure reads (one panel each for accuracy_per_round and per_class)."""
-    if fig["kind"] == "partition_grid":
-        return list(dict.fromkeys(p["experiment"] for p in fig["panels"]))
-    if fig["kind"] == "per_class":  # a line may read another experiment per panel (experiment_replace)
-        from fedcore.report.tables import replace_experiment
-
-        return list(dict.fromkeys([p["experiment"] for p in fig["panels"]]
-                                  + [replace_experiment(p["experiment"], x.get("experiment_replace"))
-                                     for p in fig["panels"] for x in fig.get("lines", [])]))
-    if fig["kind"] == "bars":
-        return list(dict.fromkeys(c["experiment"] for c in fig["columns"]))
-    if fig["kind"] == "image_grid":  # reads datasets, not runs
-        return []
-    if fig["kind"] in ("partition_bubbles", "run_tsne", "attention"):
-        return list(dict.fromkeys(p["experiment"] for p in fig["panels"]))
-    if fig["kind"] == "sweep":  # a point may read its own experiment (a setting of the data, not the method)
-        return list(dict.fromkeys([fig["experiment"]] + [p["experiment"] for s in fig["series"]
-                                                         for p in s["points"] if "experiment" in p]))
-    return list(fig["experiments"]) if "experiments" in fig else [fig["experiment"]]
-
-
-def figure_methods(fig: dict, experiments: dict[str, dict] | None = None) -> set[str]:
-    """Every method or variant a figure names (accuracy_per_round: its experiments' methods)."""
-    names = set(fig.get("methods", [])) | set(fig.get("baselines", [])) | {x["method"] for x in fig.get("lines", [])}
-    names |= {r["method"] for r in fig.get("runs", [])}
-    if "method" in fig:
-        names.add(fig["method"])
-    if fig["kind"] == "bars":  # rows read through row_sources are labels; their method is what runs
-        sources = fig.get("row_sources", {})
-        names |= {sources[r]["method"] if r in sources else r for r in fig["rows"]}
-    if fig["kind"] == "scatter":
-        names |= set(fig.get("paper", {}))
-    if "highlight" in fig:
-        names.add(fig["highlight"])
-    names |= {p["method"] for p in fig.get("points", [])} | {p["method"] for p in fig.get("panels", []) if "method" in p}
-    for series in fig.get("series", []):
-        names |= {p["method"] for p in series["points"]}
-    if fig["kind"] == "accuracy_per_round" and experiments is not None:
-        for e in fig["experiments"]:
-            names |= set(experiments[e]["methods"])
-    return names
-
-
 def _check_figure(fig: dict, experiments: dict, where: str, runnable: set[str]) -> None:
     """A figure names known experiments and known methods/variants, and each setting at most once per series."""
     for j, series in enumerate(fig.get("series", [])):
         for k, point in enumerate(series["points"]):
             if "experiment" in point:
                 _check_name(point["experiment"], experiments, where, f"series[{j}].points[{k}].experiment")
-    from fedcore.report.tables import replace_experiment
-
     for j, line in enumerate(fig.get("lines", [])):
         for panel in fig["panels"]:
             _check_name(replace_experiment(panel["experiment"], line.get("experiment_replace")), experiments, where,
@@ -769,8 +721,6 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
     if table.get("kind") == "linear_probe":
         _check_probe_table(table, experiments, where, runnable)
         return
-    from fedcore.report.tables import row_source
-
     sources = table.get("row_sources", {})
     for row, src in sources.items():
         _check_name(row, table["rows"], where, f"row_sources.{row}")

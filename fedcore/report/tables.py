@@ -41,6 +41,7 @@ from typing import Any
 import pandas as pd
 
 from fedcore.io import atomic_path
+from fedcore.selection import replace_experiment, row_source
 
 OK = "ok"
 NOT_IMPLEMENTED = "not implemented"
@@ -324,26 +325,6 @@ def _untrained(run: pd.DataFrame, report: dict, which: str | int | None) -> bool
     if report.get("window") == "best" and which is None:
         return bool((rows["value"] > 0).any())
     return bool((seed_values(rows, report, which)["value"] > 0).any())
-
-
-def row_source(table_cfg: dict, row: str, col: dict) -> tuple[str, dict]:
-    """(method, column) a row's cell reads. The method: the row's ``row_sources`` method, else the column's
-    ``method`` (FedOTP Table A4: columns are the gamma variants, rows experiments), else the row itself. The
-    experiment: the row's source ``experiment``, else the column's with the source's ``experiment_replace: [old,
-    new]`` applied (FedHPL Table 2's "FedHPL (ViT)" row reads the heterogeneous-ViT experiment of each
-    heterogeneous-ResNet column), else the column's."""
-    src = (table_cfg.get("row_sources") or {}).get(row) or {}
-    method = src.get("method") or col.get("method") or row
-    experiment = src.get("experiment") or replace_experiment(col["experiment"], src.get("experiment_replace"))
-    return method, {**col, "experiment": experiment}
-
-
-def replace_experiment(experiment: str, replace: list[str] | None) -> str:
-    """``experiment`` with ``replace = [old, new]`` applied (a row or line that reads another experiment); as is
-    without one."""
-    if not replace or not replace[0]:
-        return experiment
-    return experiment.replace(replace[0], replace[1])
 
 
 def check_scale_and_columns(table_cfg: dict, experiments: dict[str, dict], scale: str) -> None:
