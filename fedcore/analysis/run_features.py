@@ -19,6 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedcore.analysis.linear_probe import feature_maps
+from fedcore.analysis.trained_run import load_trained_run
+from fedcore.analysis.tsne import tsne_embedding
+from fedcore.data.arrays import load_bundle
 from fedcore.io import atomic_path, read_npz
 
 TSNE_FORMAT = "fedcore-run-tsne-v1"
@@ -29,8 +33,6 @@ OK, NOT_CONFIGURED, NO_FEATURE = "ok", "not configured", "no such feature"
 def run_features(run, feature: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(features, labels, client ids) of every client's test images with its own model; None when the run's model
     has no such feature kind."""
-    from fedcore.analysis.linear_probe import feature_maps
-
     feats, labels, clients = [], [], []
     for c in range(run.num_clients):
         maps = feature_maps(run.client_model(c))
@@ -47,9 +49,6 @@ def write_run_tsne(panels: list[dict[str, Any]], perplexity: float, seed: int, o
                    device: str = "auto") -> dict[str, Any]:
     """Embed each panel's features; ``panels``: dicts with label, method, feature and either ``run`` (the keyword
     arguments of ``load_trained_run``) or ``status``. Writes one .npz; returns its meta."""
-    from fedcore.analysis.trained_run import load_trained_run
-    from fedcore.analysis.tsne import tsne_embedding
-
     arrays: dict[str, np.ndarray] = {}
     meta_panels = []
     class_names: list[str] = []
@@ -94,8 +93,6 @@ def write_attention(panels: list[dict[str, Any]], client: int, samples: int, out
                     device: str = "auto") -> dict[str, Any]:
     """Each panel's attention weights (see ``attention_weights``); panels as in ``write_run_tsne`` with ``prompts``
     instead of ``feature``. Writes one .npz; returns its meta."""
-    from fedcore.analysis.trained_run import load_trained_run
-
     arrays: dict[str, np.ndarray] = {}
     meta_panels = []
     for i, p in enumerate(panels):
@@ -112,8 +109,6 @@ def write_attention(panels: list[dict[str, Any]], client: int, samples: int, out
 
 
 def _class_names(dataset_path: str | os.PathLike) -> list[str]:
-    from fedcore.data.arrays import load_bundle
-
     return [str(c) for c in load_bundle(dataset_path).meta.get("classes") or []]
 
 

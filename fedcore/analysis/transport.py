@@ -18,7 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedcore.backbones.clip import clip_classnames
+from fedcore.backbones.registry import build_backbone, prompt_adapter
+from fedcore.backbones.vit import backbone_info
+from fedcore.data.arrays import load_bundle
+from fedcore.engine.data import InputPipeline
+from fedcore.engine.roles import load_state
 from fedcore.io import atomic_path, read_npz
+from fedcore.methods import method_class
+from fedcore.methods.fedotp import transport_plans
+from fedcore.partition.class_order import prompt_class_names
+from fedcore.partition.file import Partition
+from fedcore.runtime.device import pick_device
 
 FORMAT = "fedcore-transport-plans-v1"
 OK = "ok"
@@ -62,9 +73,6 @@ def client_prompts(final: dict, cid: int) -> dict[str, torch.Tensor]:
 def run_plans(method: Any, final: dict, tokens: torch.Tensor, labels: torch.Tensor, clients: list[int]
               ) -> np.ndarray:
     """(n, M, 2) plans of each image (tokens (n, 1+M, D)) to its class's prompts of its client, from ``final``."""
-    from fedcore.engine.roles import load_state
-    from fedcore.methods.fedotp import transport_plans
-
     model = method.model
     out = []
     for i, cid in enumerate(clients):
@@ -78,16 +86,6 @@ def compute_transport_plans(dataset_path: str | os.PathLike, partition_path: str
                             out_path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> None:
     """Plans of the picked test images for every run of ``runs`` (dicts: label, method (base), params, and
     ``path`` to final.pt or ``status``), saved as .npz with the images and the runs' statuses."""
-    from fedcore.backbones.clip import clip_classnames
-    from fedcore.backbones.registry import build_backbone, prompt_adapter
-    from fedcore.backbones.vit import backbone_info
-    from fedcore.data.arrays import load_bundle
-    from fedcore.engine.data import InputPipeline
-    from fedcore.methods import method_class
-    from fedcore.partition.file import Partition
-    from fedcore.partition.class_order import prompt_class_names
-    from fedcore.runtime.device import pick_device
-
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)

@@ -14,7 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from fedcore.artifacts.select_queries import layer_features
+from fedcore.backbones.prompted import PromptedViT, attention_backend
+from fedcore.backbones.vit import backbone_info, build_vit
+from fedcore.data.arrays import load_bundle
+from fedcore.engine.data import DeviceSplit, InputPipeline
 from fedcore.io import atomic_path, read_npz
+from fedcore.partition.file import Partition
+from fedcore.runtime.device import pick_device
 
 FORMAT = "fedcore-tsne-v1"
 
@@ -43,13 +50,6 @@ def compute_tsne(dataset_path: str | os.PathLike, arch: str, weights: str | os.P
                  out_path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> None:
     """Features of a class-balanced subsample after each configured block, embedded by t-SNE, saved as .npz."""
     import torch
-
-    from fedcore.backbones.prompted import PromptedViT, attention_backend
-    from fedcore.backbones.vit import backbone_info, build_vit
-    from fedcore.data.arrays import load_bundle
-    from fedcore.engine.data import DeviceSplit, InputPipeline
-    from fedcore.artifacts.select_queries import layer_features
-    from fedcore.runtime.device import pick_device
 
     if threads:
         torch.set_num_threads(threads)
@@ -113,9 +113,6 @@ def prompt_tsne(final_path: str | os.PathLike, dataset_path: str | os.PathLike, 
     """FedOTP Fig. A5 probe: t-SNE of every client's final personal prompt (``prompt``, default ctx_local,
     flattened), labelled by the client's coarse class; written in this module's format (one map, index 0)."""
     import torch
-
-    from fedcore.data.arrays import load_bundle
-    from fedcore.partition.file import Partition
 
     bundle = load_bundle(dataset_path)
     if bundle.train.coarse is None:

@@ -38,13 +38,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fedcore.analysis.clustering import hungarian_accuracy
 from fedcore.backbones.prompted import PromptedViT, init_prompts
 from fedcore.constraints import EMBED_DIM, LAST_CLIENT, BlockIndex, BlockList, Choice, Flag, Int, Number
 from fedcore.engine.aggregation import weighted_average
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, only_training, run_epochs
 from fedcore.engine.roles import Client, Evaluator, FitResult, Method, Payload, RoundContext, RoundInfo, Strategy
+from fedcore.metrics import hungarian_accuracy
 
 QUERY = "select_query"  # the batch extra holding each sample's cached Select query
 
