@@ -260,9 +260,9 @@ class Resolved:
 
     def implemented_methods(self) -> list[str]:
         """Methods whose module exists, plus the variants of those methods (tables say 'not implemented' otherwise)."""
-        from fedcore.methods import METHODS, method_source
+        from fedcore.methods import method_names
 
-        have = {m for m in METHODS if method_source(m).exists()}
+        have = set(method_names())
         return sorted(have | {v for v, x in self.variants.items() if x["method"] in have})
 
     def at_scale(self, scale: str) -> "Resolved":
@@ -459,7 +459,7 @@ def _check_backbone_entry(name: str, entry: dict, path: Path) -> None:
 
 def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved:
     """The papers' experiments, variants and reports mapped onto the scale ``top['scale']``, all checked."""
-    from fedcore.methods import METHODS, method_class
+    from fedcore.methods import method_class, method_names
     from fedcore.partition.spec import partition_id, validate_spec
     from fedcore.data.registry import DATASETS
 
@@ -478,8 +478,8 @@ def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolve
         for vname, variant in variants.items():
             vwhere = f"{exp_file} / {scale_file} (variant {vname})"
             validate(variant, schema, "variant", vwhere)
-            _check_name(variant["method"], METHODS, vwhere, "method")
-            if vname in METHODS or vname in resolved.variants:
+            _check_name(variant["method"], method_names(), vwhere, "method")
+            if vname in method_names() or vname in resolved.variants:
                 raise ConfigError(f"config error in {vwhere}: the name {vname!r} is already a method or variant")
             resolved.variants[vname] = variant
         for name, exp in doc["experiments"].items():
@@ -491,7 +491,7 @@ def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolve
             resolved.experiments[name] = out = _resolve_experiment(name, exp, doc["paper"], scale, scale_file,
                                                                    validate_spec, partition_id)
             where = f"{where} after {scale_file}"
-            runnable = set(METHODS) | set(resolved.variants)
+            runnable = set(method_names()) | set(resolved.variants)
             for i, m in enumerate(out["methods"]):
                 _check_name(m, runnable, where, f"methods[{i}]")
             # a known method or variant, though maybe not run here (a scale may cut an experiment's methods)
@@ -681,9 +681,9 @@ def _check_claims(claims: list[dict], tables: dict, figures: dict, where: str) -
 
 def _runnable(resolved: Resolved) -> set[str]:
     """Names a run's method may take: registered methods and the loaded variants."""
-    from fedcore.methods import METHODS
+    from fedcore.methods import method_names
 
-    return set(METHODS) | set(resolved.variants)
+    return set(method_names()) | set(resolved.variants)
 
 
 def _check_figure(fig: dict, experiments: dict, where: str, runnable: set[str]) -> None:

@@ -1,12 +1,14 @@
 # Backbones: mini-scale ViTs and ResNets are pretrained here on the held-out split no client ever sees;
 # paper-scale weights must be a local file (never fetched from a hub inside a job).
+from fedcore.backbones.pretrain import objective_module
 
 
 rule pretrain_backbone:
     input:
         # the clean embedded digits carry the held-out pretraining split (rendered in every style)
         dataset=dataset_file("digits"),
-        code=lambda wc: pretrain_code(wc.backbone),
+        code=lambda wc: code("pretrain_backbone.py",
+                             objective_module(CFG.backbones[wc.backbone]["pretrain"].get("objective", "supervised"))),
     output:
         f"{RESULTS}/backbones/{{backbone}}.pt",
     params:

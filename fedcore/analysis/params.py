@@ -17,7 +17,7 @@ from torch import nn
 
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.io import atomic_path
-from fedcore.methods import METHODS, method_class, method_source
+from fedcore.methods import is_method, method_class
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _implemented(spec: dict[str, Any]) -> bool:
     if spec["source"] != "method":
         return True
     base = spec.get("base", spec["method"])
-    return base in METHODS and method_source(base).exists()
+    return is_method(base)
 
 
 def model_counts(spec: dict[str, Any]) -> dict[str, Any]:

@@ -66,6 +66,7 @@ from fedcore.engine.aggregation import weighted_average
 from fedcore.engine.optim import ClientData
 from fedcore.engine.roles import (FitResult, Method, Payload, RoundContext, RoundInfo, State, Strategy, load_state,
                                   module_state)
+from fedcore.methods import register_method
 from fedcore.methods.base import (TEACHER, TEACHER_MASK, DistillClient, PersonalEvaluator, PromptClassifier,
                                   per_class_sums, with_teacher)
 
@@ -252,6 +253,7 @@ class FedHPLEvaluator(PersonalEvaluator):
         return rows
 
 
+@register_method
 class FedHPL(Method):
     """Prompts + head on each client's frozen (possibly different) backbone; per-class logits distilled."""
 

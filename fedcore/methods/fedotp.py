@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedcore.constraints import Choice, Int, Number
+from fedcore.methods import register_method
 from fedcore.methods.clip_prompt import ClipPromptMethod, ContextPrompts, PersonalClipEvaluator, fp32
 from fedcore.methods.ot import STOPS, sinkhorn, unbalanced_ot
 
@@ -52,6 +53,7 @@ class OTPrompts(ContextPrompts):
         return ot_logits(patches, self.text_features(), self.logit_scale, self.params)
 
 
+@register_method
 class FedOTP(ClipPromptMethod):
     """FedOTP (spec fedotp §1.2-1.12, Algorithm 2): per client [P_g, P_l,i], two 16-token unified contexts (CSC=False,
     class token at the end) over a frozen CLIP; logits = logit_scale * sum(T * sim) with sim (M patches x 2 prompts)

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from fedcore.constraints import Flag, Int, Number
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer
 from fedcore.engine.roles import Client, FitResult, Payload, RoundInfo, Strategy
+from fedcore.methods import register_method
 from fedcore.methods.base import PromptMethod
 
 #: eigenvalues at or below this fraction of the largest are exact zeros up to float64 rounding
@@ -97,6 +98,7 @@ class FedPRClient(Client):
         return {"loss": float(total) / count if count else float("nan")}, None
 
 
+@register_method
 class FedPR(PromptMethod):
     """FedPR on a frozen ViT: VPT-deep prompts (1 token per block) + head; prompt updates projected onto the
     approximate null space of the current global prompts.

@@ -12,6 +12,7 @@ from fedcore.constraints import Int, Number
 from fedcore.engine.optim import ClientData
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy
 from fedcore.engine.sampling import stream_seed
+from fedcore.methods import register_method
 from fedcore.methods.base import PROTO_MASK, PROTOS, PrototypeClient, PrototypeMethod, prototype_uplink
 
 GENERATOR = ("embedding", "w1", "b1", "w2", "b2")  # server-state tensors of G_p
@@ -112,6 +113,7 @@ class FedTGPServer(Strategy):
                 "margin": torch.tensor(margin, device=device)}
 
 
+@register_method
 class FedTGP(PrototypeMethod):
     """FedTGP (Zhang, Liu, Hua, Cao; AAAI 2024), as HtFLlib runs it.
 

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import autocast_for
 from fedcore.engine.roles import Client, Evaluator
+from fedcore.methods import register_method
 from fedcore.methods.base import PromptMethod
 
 
@@ -30,6 +31,7 @@ class HeadEvaluator(Evaluator):
         return model.head(batch.x)
 
 
+@register_method
 class HeadTune(PromptMethod):
     """Linear probe trained federatedly.
 

@@ -13,6 +13,7 @@ from fedcore.backbones.prompted import init_prompts
 from fedcore.engine.aggregation import normalized_weights
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, load_state
+from fedcore.methods import register_method
 from fedcore.methods.base import BatchableClient, PersonalEvaluator, PromptMethod
 
 PROMPT = "prompts.0"  # the VPT-shallow prompt tokens (num_prompts, D) that the generator produces
@@ -117,6 +118,7 @@ class PFedPGEvaluator(PersonalEvaluator):
         super().load(model, cid, server, client_state, data)
 
 
+@register_method
 class PFedPG(PromptMethod):
     """pFedPG (Yang, Wang, Wang; ICCV 2023): client-specific prompt generation at the server.
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from fedcore.constraints import Number
+from fedcore.methods import register_method
 from fedcore.methods.clip_prompt import ClipClient, ClipPromptMethod
 from fedcore.methods.fedprox import ProximalClient
 
@@ -11,6 +12,7 @@ class PromptProxClient(ProximalClient, ClipClient):
     downlink's global prompt."""
 
 
+@register_method
 class PromptFLFedProx(ClipPromptMethod):
     """PromptFL + FedProx (spec fedotp §4.4): PromptFL (promptfl.py) whose clients minimise CE + (mu/2)||P - P_g||^2,
     P_g the global prompt received this round, mu ``mu`` 0.5 ([C] default).

@@ -44,6 +44,7 @@ from fedcore.engine.aggregation import weighted_average
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, only_training, run_epochs
 from fedcore.engine.roles import Client, Evaluator, FitResult, Method, Payload, RoundContext, RoundInfo, Strategy
+from fedcore.methods import register_method
 from fedcore.metrics import hungarian_accuracy
 
 QUERY = "select_query"  # the batch extra holding each sample's cached Select query
@@ -258,6 +259,7 @@ class SGPTEvaluator(Evaluator):
         return rows
 
 
+@register_method
 class SGPT(Method):
     """Shared + group prompts with Select, block coordinate descent and momentum aggregation."""
 
