@@ -16,6 +16,7 @@ import yaml
 
 from fedcore.constraints import BackboneFacts, RunFacts, violations
 from fedcore.data.facts import dataset_facts
+from fedcore.papers import PAPERS
 from fedcore.selection import (chosen_outputs, figure_experiments, figure_methods, headline_item, output_runs,
                                replace_experiment, row_source)
 
@@ -61,8 +62,10 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 
 def _schema(root: Path) -> dict:
-    """The JSON schema document."""
-    return read_yaml(root / CONFIG_DIR / "schema.yaml")
+    """The JSON schema document, with the enum the code's registry owns filled in: the papers (fedcore/papers.py)."""
+    doc = read_yaml(root / CONFIG_DIR / "schema.yaml")
+    doc["$defs"]["top"]["properties"]["papers"]["items"]["enum"] = list(PAPERS)
+    return doc
 
 
 def _format_path(path) -> str:

@@ -3,7 +3,8 @@
 # edit of it reruns the output. The config's `kind` picks the builder (fedcore/report/render.py).
 # `snakemake --report results/report.html` gathers every output wrapped in report(...) below into one HTML
 # page: a section (category) per paper with its Tables, Figures and Runs, and the Choices and deviations.
-from fedcore.report.html_pages import paper_title, report_caption
+from fedcore.papers import paper_title
+from fedcore.report.html_pages import report_caption
 from fedcore.report.inventory import configured_runs, method_labels, unbuilt_outputs
 from fedcore.data.sources import FOLDER_LAYOUT_DATASETS
 from fedcore.report.render import figure_input, personalized_flags, table_input

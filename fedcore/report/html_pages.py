@@ -11,8 +11,7 @@ import re
 from pathlib import Path
 
 from fedcore.io import atomic_path
-
-PAPER_TITLES = {"sgpt": "SGPT", "fedhpl": "FedHPL", "fedotp": "FedOTP", "fedpft": "FedPFT"}
+from fedcore.papers import paper_title  # noqa: F401 - the pages' paper titles (inventory.py imports it from here)
 
 SCALE_CAPTIONS = {
     "mini": ("Scale mini: embedded analogue data and tiny pretrained backbones on CPU; the numbers check the "
@@ -47,11 +46,6 @@ def page(title: str, body: str) -> str:
     """A complete, self-contained HTML document."""
     return (f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>{html.escape(title)}</title>\n"
             f"<style>{CSS}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n")
-
-
-def paper_title(paper: str) -> str:
-    """The display name of a paper (its report category)."""
-    return PAPER_TITLES.get(paper, paper)
 
 
 def scale_caption(scale: str) -> str:
