@@ -10,7 +10,6 @@ import torch
 
 from fedcore.artifacts import load_artifact
 from fedcore.backbones.clip import clip_classnames
-from fedcore.partition.class_order import prompt_class_names
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.backbones.vit import backbone_info
@@ -22,6 +21,7 @@ from fedcore.engine.roles import ExtraData
 from fedcore.engine.sampling import stream_seed
 from fedcore.io import atomic_path, atomic_torch_save
 from fedcore.methods import method_class
+from fedcore.partition.class_order import prompt_class_names
 from fedcore.partition.file import Partition
 from fedcore.runtime.device import pick_device
 from fedcore.runtime.seeding import seed_everything
