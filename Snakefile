@@ -1,5 +1,6 @@
 # fedprompt-repro: reproduces SGPT, FedHPL, FedOTP and FedPFT end to end.
-# `snakemake --cores N` runs the default (mini) scale; `--config scale=paper` the papers' scale.
+# `snakemake --cores N` runs the default (mini) scale; `--config scale=paper` the papers' scale; `--config
+# scale=smoke` the papers' runs on synthetic data, one round (a check that paper scale runs, not results).
 # All logic lives in the fedcore package; rules only wire files together.
 from pathlib import Path
 

@@ -24,6 +24,8 @@ CONFIG_DIR = "config"
 TOP_WHERE = "the top-level config (config/config.yaml or --config)"
 JOB_DEFAULT = {"mem_mb": 48000}  # host memory of a job whose backbones have no `job` entry (paper scale)
 TRAIN_KEYS = ("dataset", "backbone", "partition", "federation", "optimizer", "evaluation")
+# scale-file keys about the scale itself, not about its experiments
+SCALE_SETTINGS = ("missing_weights", "job", "keep_run_state", "results")
 
 
 class ConfigError(ValueError):
@@ -155,6 +157,9 @@ class Resolved:
     reports: dict[str, dict] = field(default_factory=dict)
     backbones: dict[str, dict] = field(default_factory=dict)
     checksums_path: Path | None = None
+    # the scale's own settings (SCALE_SETTINGS of config/scales/<scale>.yaml and its base scales): missing_weights, job,
+    # keep_run_state, results
+    scale_settings: dict[str, Any] = field(default_factory=dict)
     # the tables and figures the config's `outputs` picks (fedcore/selection.py), and the configured runs they
     # read; None: every configured run (`outputs: all`)
     outputs: list[str] = field(default_factory=list)
@@ -165,7 +170,7 @@ class Resolved:
 
     @property
     def scale(self) -> str:
-        """mini | paper."""
+        """mini | paper | smoke."""
         return self.top["scale"]
 
     @property
@@ -246,11 +251,11 @@ class Resolved:
         return out
 
     def run_resources(self, experiment: str, method: str) -> dict[str, int]:
-        """A training job's cluster request: gpu, mem_mb (the run's backbones' ``job`` entries, the largest ask) and
-        runtime (minutes: fedcore/estimate.py's estimate of the run on one GPU times its margin, computed once per
-        run); mini runs ask for one CPU's worth."""
-        if self.scale != "paper":
-            return {"gpu": 0, "mem_mb": 2000, "runtime": 10}
+        """A training job's cluster request: the scale's ``job`` where it has one (mini: one CPU's worth; smoke: no GPU
+        slot), else gpu, mem_mb (the run's backbones' ``job`` entries, the largest ask) and runtime (minutes:
+        fedcore/estimate.py's estimate of the run on one GPU times its margin, computed once per run)."""
+        if "job" in self.scale_settings:
+            return dict(self.scale_settings["job"])
         key = (experiment, method)
         if key not in self._requests:
             from fedcore.estimate import estimate_run, request_minutes
@@ -260,6 +265,21 @@ class Resolved:
             self._requests[key] = {"gpu": 1, "mem_mb": int(mem),
                                    "runtime": request_minutes(estimate_run(self, experiment, method))}
         return dict(self._requests[key])
+
+    @property
+    def keep_run_state(self) -> bool:
+        """Whether a run's final.pt stays after the jobs that read it and the run keeps its checkpoint.pt (every
+        scale but smoke)."""
+        return bool(self.scale_settings.get("keep_run_state", True))
+
+    def uses_standin(self, backbone: str) -> bool:
+        """Whether ``backbone`` reads a random stand-in (fedcore/backbones/standin.py) at this scale: it names a
+        ``weights:`` file, the file is not under the resources dir, and the scale says ``missing_weights: random``
+        (smoke; at any other scale a missing file stays an error)."""
+        entry = self.backbones[backbone]
+        if self.scale_settings.get("missing_weights", "error") != "random" or "weights" not in entry:
+            return False
+        return not (Path(str(self.top["resources"])) / "weights" / entry["weights"]).is_file()
 
     def implemented_methods(self) -> list[str]:
         """Methods whose module exists, plus the variants of those methods (tables say 'not implemented' otherwise)."""
@@ -299,9 +319,11 @@ class Resolved:
 
     def claims_view(self, paper: str) -> dict[str, dict]:
         """Per scale, what a paper's claims and scorecard are built with: its tables and figures at that scale,
-        the experiments' report view and the implemented methods."""
+        the experiments' report view and the implemented methods. This scale, and the other scales whose numbers are
+        results (not smoke's: ``results: false``)."""
         out = {}
-        for scale in sorted({self.scale, *self._scales}):
+        others = {s for s, at in self._scales.items() if at.scale_settings.get("results", True)}
+        for scale in sorted({self.scale, *others}):
             at = self.at_scale(scale)
             names = at.reports.get(paper, {"tables": [], "figures": []})
             out[scale] = {"tables": {n: at.tables[n] for n in names["tables"]},
@@ -466,14 +488,12 @@ def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolve
     from fedcore.partition.spec import partition_id, validate_spec
     from fedcore.data.registry import DATASETS
 
-    common_file = root / CONFIG_DIR / "scales" / f"{top['scale']}.yaml"
-    common = read_yaml(common_file)
-    validate(common, schema, "scale_file", str(common_file))
-    _check_mappings(common, common_file, backbones, DATASETS)
-
-    resolved = Resolved(root=root, top=top, backbones=backbones, checksums_path=root / CONFIG_DIR / "checksums.yaml")
+    chain = _scale_chain(root, top["scale"], schema, backbones, DATASETS)
+    resolved = Resolved(root=root, top=top, backbones=backbones, checksums_path=root / CONFIG_DIR / "checksums.yaml",
+                        scale_settings=_merged({k: v for k, v in doc.items() if k in SCALE_SETTINGS}
+                                               for _, doc, _ in chain))
     for paper in top["papers"]:
-        scale, scale_file = _paper_scale(common, common_file, root, top["scale"], paper, schema, backbones, DATASETS)
+        scale, scale_file = _paper_scale_chain(chain, root, paper, schema, backbones, DATASETS)
         exp_file = root / CONFIG_DIR / "experiments" / f"{paper}.yaml"
         doc = read_yaml(exp_file)
         validate(doc, schema, "experiment_file", str(exp_file))
@@ -575,6 +595,54 @@ def _paper_scale(common: dict, common_file: Path, root: Path, scale: str, paper:
     return deep_merge(common, overlay), path
 
 
+def _scale_chain(root: Path, scale: str, schema: dict, backbones: dict, datasets) -> list[tuple[str, dict, Path]]:
+    """The scale files from the first ``base`` down to ``scale``'s own: (name, document without ``base``, path),
+    each validated and its mappings checked."""
+    chain: list[tuple[str, dict, Path]] = []
+    name: str | None = scale
+    while name is not None:
+        path = root / CONFIG_DIR / "scales" / f"{name}.yaml"
+        if chain:
+            below = chain[-1][2]
+            if name in [n for n, _, _ in chain]:
+                raise ConfigError(f"config error in {below} at base: {name!r} starts a cycle of scales "
+                                  f"({' -> '.join([n for n, _, _ in chain] + [name])})")
+            if not path.exists():
+                raise ConfigError(f"config error in {below} at base: {name!r} is not a scale ({path} does not exist)")
+        doc = read_yaml(path)
+        validate(doc, schema, "scale_file", str(path))
+        _check_mappings(doc, path, backbones, datasets)
+        base = doc.pop("base", None)
+        chain.append((name, doc, path))
+        name = base
+    return chain[::-1]
+
+
+def _merged(docs) -> dict:
+    """The documents deep-merged in order (later ones win)."""
+    out: dict = {}
+    for doc in docs:
+        out = deep_merge(out, doc)
+    return out
+
+
+def _paper_scale_chain(chain: list[tuple[str, dict, Path]], root: Path, paper: str, schema: dict, backbones: dict,
+                       datasets) -> tuple[dict, str]:
+    """The scale as one paper sees it: for each scale of the chain (base first), its file and then its
+    <scale>/<paper>.yaml, deep-merged in that order; and the file that error messages name (the top scale's paper
+    file, else its scale file), with the base scale it extends."""
+    layers, where = [], ""
+    for name, doc, path in chain:
+        layer, where = _paper_scale(doc, path, root, name, paper, schema, backbones, datasets)
+        layers.append(layer)
+    scale = _merged(layers)
+    missing = [k for k in ("datasets", "backbones") if k not in scale]
+    if missing:
+        raise ConfigError(f"config error in {chain[-1][2]}: {missing} are required (in it or in its base scale)")
+    label = str(where) if len(chain) == 1 else f"{where} (over scale {' over '.join(n for n, _, _ in chain[-2::-1])})"
+    return scale, label
+
+
 def _resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_file: Path,
                         validate_spec, partition_id) -> dict:
     """Map one experiment onto the scale: concrete dataset/backbone, budget, per-experiment overrides."""
@@ -585,6 +653,15 @@ def _resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_fil
     out["federation"] = deep_merge(out["federation"], scale.get("federation", {}))
     out["evaluation"] = deep_merge(out["evaluation"], scale.get("evaluation", {}))
     out["method_federation"] = deep_merge(out.get("method_federation", {}), scale.get("method_federation", {}))
+    run = scale.get("run_federation")
+    if run:  # over the experiment's budget and every method's own, so that no run keeps a longer one
+        out["federation"] = deep_merge(out["federation"], run)
+        out["method_federation"] = {m: deep_merge(b, run) for m, b in out["method_federation"].items()}
+    if scale.get("method_params"):  # the scale's params of a method, over the experiment's own
+        out["method_params"] = deep_merge(out.get("method_params", {}), scale["method_params"])
+    by_scheme = scale.get("partition_by_scheme", {}).get(out["partition"]["scheme"])
+    if by_scheme:
+        out["partition"] = deep_merge(out["partition"], by_scheme)
     out = deep_merge(out, scale.get("experiments", {}).get(name, {}))
     out["dataset_logical"], out["dataset"] = exp["dataset"], scale["datasets"][exp["dataset"]]
     out["backbone"] = scale["backbones"][exp["backbone"]]

@@ -61,10 +61,11 @@ def arch_tag(cfg: "Resolved", backbone: str) -> str:
 
 
 def weights_sha256(cfg: "Resolved", backbone: str) -> str | None:
-    """The sha256 a backbone's weight file must have: None when not checked (pipeline-pretrained files, entries without
-    a ``sha256:`` key), UNPINNED for ``sha256: null`` (refused until pinned)."""
+    """The sha256 a backbone's weight file must have: None when not checked (pipeline-pretrained files, random
+    stand-ins at scale smoke, entries without a ``sha256:`` key), UNPINNED for ``sha256: null`` (refused until
+    pinned)."""
     entry = cfg.backbones[backbone]
-    if "pretrain" in entry or "sha256" not in entry:
+    if "pretrain" in entry or "sha256" not in entry or cfg.uses_standin(backbone):
         return None
     return entry["sha256"] or UNPINNED
 

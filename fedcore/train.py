@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -12,12 +13,13 @@ from fedcore.artifacts import load_artifact
 from fedcore.backbones.clip import clip_classnames
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import build_backbone, prompt_adapter
+from fedcore.backbones.standin import standin_note
 from fedcore.backbones.vit import backbone_info
 from fedcore.data.arrays import ArrayDataset, load_bundle
 from fedcore.engine.data import DeviceSplit, InputPipeline, cache_features, check_augment
 from fedcore.engine.evaluate import EvalSets
 from fedcore.engine.loop import RunResult, RunSpec, run_federated
-from fedcore.engine.roles import ExtraData
+from fedcore.engine.roles import ExtraData, Method
 from fedcore.engine.sampling import stream_seed
 from fedcore.io import atomic_path, atomic_torch_save
 from fedcore.methods import method_class
@@ -94,42 +96,70 @@ def _extra_datasets(declared: dict[str, str], given: dict[str, str | Path] | Non
     return {role: given[role] for role in declared}
 
 
-def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: str | Path,
-              partition_path: str | Path, backbone_arch: str | list[str],
-              backbone_weights: str | Path | None | list[str | Path | None],
-              metrics_out: str | Path, final_out: str | Path, checkpoint_path: str | Path | None = None,
-              device: str = "auto", threads: int | None = None, progress: bool = True,
-              stop_after_round: int | None = None, artifacts: dict[str, str | Path] | None = None,
-              depends_on: Sequence[str | Path] = (),
-              extra_datasets: dict[str, str | Path] | None = None,
-              backbone_sha256: str | None | list[str | None] = None) -> RunResult | None:
-    """Train one (experiment, method, seed) and write its metrics Parquet and final state atomically.
+def weight_records(archs: Sequence[str], weights: Sequence[str | Path | None]) -> list[dict[str, Any]]:
+    """What each backbone of a run loads (arch, file, and the random stand-in's note where it is one: scale smoke),
+    logged, and kept in final.pt; a stand-in is logged as a warning, since such a run is not a result."""
+    out = []
+    for arch, path in zip(archs, weights, strict=True):
+        note = standin_note(path)
+        out.append({"arch": arch, "weights": None if path is None else str(path), "random_standin": note})
+        if note is not None:
+            log.warning("backbone %s: RANDOM stand-in weights %s (seed %s) in place of %s: this run is not a result",
+                        arch, path, note["seed"], note["replaces"] or "a missing weight file")
+        else:
+            log.info("backbone %s: %s", arch, "random init from the run's seed (no weight file)" if path is None
+                     else f"weights {path}")
+    return out
 
-    ``params['method']`` names the registered method when the run's method is a variant of it
-    (e.g. identity method ``sgpt_share_only`` runs ``sgpt`` with the variant's params).
-    ``backbone_arch``/``backbone_weights`` may list several backbones; ``params['client_backbones'][c]``
-    then says which one client c uses. ``artifacts`` maps each per-sample artifact the method declares
-    (``Method.artifacts``) to its file (rule ``features``). ``extra_datasets`` maps each other dataset bundle the
-    method declares (``Method.extra_datasets``, e.g. FedMD's public data) to its .npz file.
-    ``backbone_sha256`` (one per weight file, as ``backbone_weights``) is the digest each file must have
-    (registry.check_sha256; None = not checked).
 
-    The per-round checkpoint outlives the run: when Snakemake is interrupted while the job runs, the job
-    still finishes, Snakemake then deletes its outputs as incomplete and reruns it, and the rerun rebuilds
-    them from the last checkpoint instead of training again. A checkpoint older than a file the run reads
-    (dataset, partition, weights, artifacts, and ``depends_on``: the job's code) is not resumed.
-    """
-    if threads:
-        torch.set_num_threads(threads)
-    dev = pick_device(device)
-    bundle = load_bundle(dataset_path)
-    part = Partition.load(partition_path)
-    check_partition(part, len(bundle.train), len(bundle.test), str(partition_path))
-    archs = backbone_arch if isinstance(backbone_arch, list) else [backbone_arch]
-    # None: every backbone is drawn at random (scratch backbones; the seeded init below)
-    weights = (backbone_weights if isinstance(backbone_weights, list)
-               else [backbone_weights] * (len(archs) if backbone_weights is None else 1))
-    digests = backbone_sha256 if isinstance(backbone_sha256, list) else [backbone_sha256] * len(weights)
+@dataclass(frozen=True)
+class RunFiles:
+    """The files one run reads (the training rule's inputs): dataset, partition, one weight file per backbone (None:
+    drawn at random) with the sha256 each must have (None: not checked), per-sample artifacts and extra datasets."""
+
+    dataset: str | Path
+    partition: str | Path
+    weights: tuple[str | Path | None, ...] = (None,)
+    sha256: tuple[str | None, ...] = (None,)
+    artifacts: dict[str, str | Path] = field(default_factory=dict)
+    extra_datasets: dict[str, str | Path] = field(default_factory=dict)
+
+    def reads(self) -> list[str | Path]:
+        """Every file the run reads (a checkpoint older than one of them is not resumed)."""
+        return [self.dataset, self.partition, *(w for w in self.weights if w is not None), *self.artifacts.values(),
+                *self.extra_datasets.values()]
+
+
+@dataclass
+class BuiltRun:
+    """A run ready for the engine: its method on the device, data, each client's indices, evaluation sets, input
+    pipeline and settings; ``weights``: what each backbone loaded (kept in final.pt)."""
+
+    method: Method
+    train: DeviceSplit
+    test: DeviceSplit
+    train_idx: list[torch.Tensor]
+    eval_sets: EvalSets
+    pipeline: InputPipeline
+    spec: RunSpec
+    client_weights: list[float] | None
+    weights: list[dict[str, Any]]
+    device: torch.device
+
+
+def build_run(params: dict[str, Any], identity: dict[str, Any], archs: str | list[str], files: RunFiles,
+              device: torch.device, cache_frozen_features: bool = True) -> BuiltRun:
+    """Build one run from its params (Resolved.train_params) and files, as training runs it: the backbones (seeded),
+    the method and its models on ``device``, the data with its artifacts, splits and evaluation sets, and the
+    run's settings. ``cache_frozen_features``: a head-only method's batches carry its frozen features (training);
+    False keeps images (probes that run the whole model)."""
+    bundle = load_bundle(files.dataset)
+    part = Partition.load(files.partition)
+    check_partition(part, len(bundle.train), len(bundle.test), str(files.partition))
+    archs = list(archs) if isinstance(archs, (list, tuple)) else [archs]
+    # (None,): every backbone is drawn at random (scratch backbones; the seeded init below)
+    weights = list(files.weights) if files.weights != (None,) else [None] * len(archs)
+    digests = list(files.sha256) if len(files.sha256) != 1 else list(files.sha256) * len(weights)
     if len(digests) != len(weights):
         raise ValueError(f"{len(weights)} weight files but {len(digests)} sha256 digests: give one per file")
     client_backbones = params.get("client_backbones")
@@ -158,33 +188,35 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     # "arch" or "arch.tag" (config/backbones.yaml's weight tag: the input contract of the weights)
     nets = [build_backbone(a.partition(".")[0], w, a.partition(".")[2] or None, input_size=input_size, sha256=d)
             for a, w, d in zip(archs, weights, digests, strict=True)]
+    loaded = weight_records(archs, weights)
     infos = [backbone_info(n) for n in nets]
     inputs = {(i["img_size"], i["mean"], i["std"]) for i in infos}
     if len(inputs) != 1:
         raise ValueError(f"the run's backbones {archs} expect different inputs {sorted(inputs)}: one run feeds "
                          "every client the same model input")
-    backbones = [prompt_adapter(n).to(dev) for n in nets]  # the family's frozen, promptable wrapper
+    backbones = [prompt_adapter(n).to(device) for n in nets]  # the family's frozen, promptable wrapper
     method = cls(backbones if len(backbones) > 1 else backbones[0], bundle.num_classes,
                  params.get("method_params", {}), client_backbones,
                  class_names=prompt_class_names(clip_classnames(bundle.meta), part.class_order))
-    method.to(dev)
+    method.to(device)
 
-    train = DeviceSplit.from_arrays(bundle.train, dev)
-    test = DeviceSplit.from_arrays(bundle.test, dev)
+    train = DeviceSplit.from_arrays(bundle.train, device)
+    test = DeviceSplit.from_arrays(bundle.test, device)
     declared = cls.artifacts(method.params)
-    missing = sorted(set(declared) - set(artifacts or {}))
+    missing = sorted(set(declared) - set(files.artifacts))
     if missing:
         raise ValueError(f"method {cls.name} reads the per-sample artifacts {missing}; no file was given for them "
                          "(rule features builds them)")
     for name, key in declared.items():
-        train.extras[name], test.extras[name] = load_artifact(key, artifacts[name], len(bundle.train),
-                                                              len(bundle.test), dev)
+        train.extras[name], test.extras[name] = load_artifact(key, files.artifacts[name], len(bundle.train),
+                                                              len(bundle.test), device)
     info = infos[0]
     pipeline = InputPipeline(info["img_size"], info["mean"], info["std"])
-    for role, path in _extra_datasets(cls.extra_datasets(method.params), extra_datasets, cls.name).items():
+    for role, path in _extra_datasets(cls.extra_datasets(method.params), files.extra_datasets, cls.name).items():
         extra = load_bundle(path)
-        method.attach_dataset(role, ExtraData(DeviceSplit.from_arrays(extra.train, dev), extra.num_classes, pipeline))
-    extractor = method.frozen_features()
+        method.attach_dataset(role, ExtraData(DeviceSplit.from_arrays(extra.train, device), extra.num_classes,
+                                              pipeline))
+    extractor = method.frozen_features() if cache_frozen_features else None
     augment = tuple(params.get("augment", ()))
     check_augment(augment, "the experiment's key 'augment'")
     if augment and extractor is not None:
@@ -193,7 +225,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     if extractor is not None:
         # features that nothing trained can change are computed once, not every epoch and round
         bs = int(params.get("evaluation", {}).get("batch_size", 256))
-        with attention_backend(dev):
+        with attention_backend(device):
             train, test = (cache_features(s, extractor, pipeline, bs) for s in (train, test))
     source = train if part.spec.get("test_from") == "train" else test
     train, train_idx = paired_split(train, part.train, part.train_images)
@@ -205,16 +237,51 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
                    evaluation=evaluation, final_window=int(params.get("final_window", 1)), augment=augment,
                    method_params={"method": cls.name, **method.params, "client_backbones": client_backbones,
                                   "backbones": archs})
-    reads = [dataset_path, partition_path, *(w for w in weights if w is not None), *(artifacts or {}).values(),
-             *(extra_datasets or {}).values(), *depends_on]
+    return BuiltRun(method, train, test, train_idx, eval_sets, pipeline, spec, agg_weights, loaded, device)
+
+
+def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: str | Path,
+              partition_path: str | Path, backbone_arch: str | list[str],
+              backbone_weights: str | Path | None | list[str | Path | None],
+              metrics_out: str | Path, final_out: str | Path, checkpoint_path: str | Path | None = None,
+              device: str = "auto", threads: int | None = None, progress: bool = True,
+              stop_after_round: int | None = None, artifacts: dict[str, str | Path] | None = None,
+              depends_on: Sequence[str | Path] = (),
+              extra_datasets: dict[str, str | Path] | None = None,
+              backbone_sha256: str | None | list[str | None] = None) -> RunResult | None:
+    """Train one (experiment, method, seed) and write its metrics Parquet and final state atomically.
+
+    ``params['method']`` names the registered method when the run's method is a variant of it
+    (e.g. identity method ``sgpt_share_only`` runs ``sgpt`` with the variant's params).
+    ``backbone_arch``/``backbone_weights`` may list several backbones; ``params['client_backbones'][c]``
+    then says which one client c uses. ``artifacts`` maps each per-sample artifact the method declares
+    (``Method.artifacts``) to its file (rule ``features``). ``extra_datasets`` maps each other dataset bundle the
+    method declares (``Method.extra_datasets``, e.g. FedMD's public data) to its .npz file.
+    ``backbone_sha256`` (one per weight file, as ``backbone_weights``) is the digest each file must have
+    (registry.check_sha256; None = not checked).
+
+    The per-round checkpoint outlives the run: when Snakemake is interrupted while the job runs, the job
+    still finishes, Snakemake then deletes its outputs as incomplete and reruns it, and the rerun rebuilds
+    them from the last checkpoint instead of training again. A checkpoint older than a file the run reads
+    (dataset, partition, weights, artifacts, and ``depends_on``: the job's code) is not resumed.
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    dev = pick_device(device)
+    files = RunFiles(dataset_path, partition_path,
+                     tuple(backbone_weights) if isinstance(backbone_weights, list) else (backbone_weights,),
+                     tuple(backbone_sha256) if isinstance(backbone_sha256, list) else (backbone_sha256,),
+                     dict(artifacts or {}), dict(extra_datasets or {}))
+    run = build_run(params, identity, backbone_arch, files, dev)
     with attention_backend(dev):
-        result = run_federated(method, train, test, train_idx, eval_sets, pipeline, spec,
+        result = run_federated(run.method, run.train, run.test, run.train_idx, run.eval_sets, run.pipeline, run.spec,
                                checkpoint_path, stop_after_round=stop_after_round, progress=progress,
-                               checkpoint_inputs=reads, client_weights=agg_weights)
+                               checkpoint_inputs=[*files.reads(), *depends_on], client_weights=run.client_weights)
     if result is None:
         return None
     atomic_torch_save({"identity": identity, "global": result.global_state, "personal": result.personal_states,
-                       "server": result.server_state, "clients": result.client_states}, final_out)
+                       "server": result.server_state, "clients": result.client_states,
+                       "backbone_weights": run.weights}, final_out)
     with atomic_path(metrics_out, suffix=".parquet") as tmp:
         result.metrics.to_parquet(tmp, index=False)
     return result

@@ -1,5 +1,6 @@
 # Backbones: mini-scale ViTs and ResNets are pretrained here on the held-out split no client ever sees;
-# paper-scale weights must be a local file (never fetched from a hub inside a job).
+# paper-scale weights must be a local file (never fetched from a hub inside a job); at smoke scale a missing
+# weight file is replaced by a random stand-in written here.
 from fedcore.backbones.pretrain import objective_module
 
 
@@ -38,3 +39,23 @@ rule backbone_weights:
         f"{RESULTS}/logs/backbone_weights/{{weights_file}}.log",
     script:
         "../workflow/scripts/missing_weights.py"
+
+
+rule random_backbone:
+    """Scale smoke (`missing_weights: random`): fixed random weights, seeded by the arch, in place of a weight file
+    that is not under resources/weights/, in the layout of its weight tag (fedcore/backbones/standin.py)."""
+    input:
+        code=code("random_backbone.py"),
+    output:
+        f"{RESULTS}/backbones/random/{{backbone}}.safetensors",
+    params:
+        arch=lambda wc: CFG.backbones[wc.backbone]["arch"],
+        tag=lambda wc: CFG.backbones[wc.backbone].get("tag"),
+        replaces=lambda wc: f"{RESOURCES}/weights/{CFG.backbones[wc.backbone]['weights']}",
+    log:
+        f"{RESULTS}/logs/random_backbone/{{backbone}}.log",
+    resources:
+        runtime=10,
+        mem_mb=8000,
+    script:
+        "../workflow/scripts/random_backbone.py"

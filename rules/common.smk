@@ -17,11 +17,18 @@ wildcard_constraints:
     weights_file=r"[A-Za-z0-9_.\-]+",
     artifact=r"[a-z_]+[0-9]*",
 
-# The fedcore package actually imported (an editable install or PYTHONPATH), so code edits are tracked;
-# relative to the working directory when it lies inside it, so moving the checkout reruns nothing.
-FEDCORE = Path(fedcore.__file__).parent
-if FEDCORE.resolve().is_relative_to(Path.cwd().resolve()):
-    FEDCORE = FEDCORE.resolve().relative_to(Path.cwd().resolve())
+def workdir_relative(path):
+    """``path`` relative to the working directory when it lies inside it (a param or input that moves with the
+    checkout, so moving the checkout reruns nothing), else as given."""
+    path = Path(path)
+    if path.resolve().is_relative_to(Path.cwd().resolve()):
+        return path.resolve().relative_to(Path.cwd().resolve())
+    return path
+
+
+# The fedcore package actually imported (an editable install or PYTHONPATH), so code edits are tracked.
+FEDCORE = workdir_relative(Path(fedcore.__file__).parent)
+CHECKSUMS = str(workdir_relative(CFG.checksums_path))  # a param of the data rules
 
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 
@@ -43,14 +50,22 @@ def partition_file(exp, seed):
 
 
 def backbone_file(name):
-    """Pretrained at mini scale by the pipeline; a local weight file at paper scale; None for a backbone trained
-    from scratch (`scratch: true`: the run draws its weights)."""
+    """Pretrained at mini scale by the pipeline; a local weight file at paper scale (at smoke, where that file is
+    missing, a random stand-in the pipeline writes); None for a backbone trained from scratch (`scratch: true`:
+    the run draws its weights)."""
     entry = CFG.backbones[name]
     if entry.get("scratch"):
         return None
     if "pretrain" in entry:
         return f"{RESULTS}/backbones/{name}.pt"
+    if CFG.uses_standin(name):
+        return standin_file(name)
     return f"{RESOURCES}/weights/{entry['weights']}"
+
+
+def standin_file(name):
+    """The random stand-in for backbone `name`'s weight file (rule random_backbone)."""
+    return f"{RESULTS}/backbones/random/{name}.safetensors"
 
 
 def plan(experiment, method, seed=0):
@@ -61,6 +76,12 @@ def plan(experiment, method, seed=0):
 def run_sha256(experiment):
     """The sha256 of each backbone file a run of the experiment loads, in the order train_inputs lists the files."""
     return experiment_backbones(CFG, experiment)[1]
+
+
+def run_state(path):
+    """A run's final.pt: kept, or a temporary file where the scale keeps no run state (smoke: Snakemake deletes it
+    once the probes that read it have run)."""
+    return path if CFG.keep_run_state else temp(path)
 
 
 def run_dir(exp, method, seed):

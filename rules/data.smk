@@ -1,13 +1,13 @@
-# Datasets: embedded ones are generated; paper-scale ones are downloaded (or placed by hand),
+# Datasets: embedded and synthetic ones are generated; paper-scale ones are downloaded (or placed by hand),
 # verified by checksum, then converted once into one .npz bundle per dataset.
-from fedcore.data.registry import is_embedded
+from fedcore.data.registry import is_generated
 
 # Downloads need the internet, which cluster compute nodes often lack: run them on the submit host.
 localrules: fetch_dataset, check_data
 
 
 def dataset_raw_stamp(wildcards):
-    if is_embedded(wildcards.dataset):
+    if is_generated(wildcards.dataset):
         return []
     return [f"{RESOURCES}/raw/{wildcards.dataset}.verified.json"]
 
@@ -19,7 +19,7 @@ rule fetch_dataset:
         f"{RESOURCES}/raw/{{dataset}}.verified.json",
     params:
         resources=RESOURCES,
-        checksums=str(CFG.checksums_path),
+        checksums=CHECKSUMS,
     log:
         f"{RESULTS}/logs/fetch_dataset/{{dataset}}.log",
     retries: 2
@@ -35,7 +35,7 @@ rule build_dataset:
         f"{RESULTS}/data/{{dataset}}.npz",
     params:
         resources=RESOURCES,
-        checksums=str(CFG.checksums_path),
+        checksums=CHECKSUMS,
     log:
         f"{RESULTS}/logs/build_dataset/{{dataset}}.log",
     resources:
@@ -53,11 +53,12 @@ rule check_data:
         touch(f"{RESULTS}/check_data.{SCALE}.ok"),
     params:
         datasets=CFG.datasets(),
-        # the user's weight files (not the pipeline's pretrained ones, not the scratch backbones that have none)
+        # the user's weight files (not the pipeline's pretrained ones or random stand-ins, not the scratch
+        # backbones that have none)
         weights=[backbone_file(b) for b in CFG.backbones_needed()
-                 if backbone_file(b) is not None and "pretrain" not in CFG.backbones[b]],
+                 if backbone_file(b) is not None and "pretrain" not in CFG.backbones[b] and not CFG.uses_standin(b)],
         resources=RESOURCES,
-        checksums=str(CFG.checksums_path),
+        checksums=CHECKSUMS,
     log:
         f"{RESULTS}/logs/check_data.{SCALE}.log",
     script:

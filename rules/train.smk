@@ -8,7 +8,7 @@ rule train:
         unpack(train_inputs),
     output:
         metrics=f"{RESULTS}/runs/{SCALE}/{{experiment}}/{{method}}/seed{{seed}}/metrics.parquet",
-        final=f"{RESULTS}/runs/{SCALE}/{{experiment}}/{{method}}/seed{{seed}}/final.pt",
+        final=run_state(f"{RESULTS}/runs/{SCALE}/{{experiment}}/{{method}}/seed{{seed}}/final.pt"),
     params:
         cfg=lambda wc: CFG.train_params(wc.experiment, wc.method),
         identity=identity,
@@ -16,8 +16,10 @@ rule train:
         sha256=lambda wc: run_sha256(wc.experiment),
         # outside the outputs, so that Snakemake keeps them when it reruns an interrupted job: the last
         # per-round state (kept after the run, to rebuild outputs Snakemake deleted as incomplete) and
-        # the log of every attempt (Snakemake deletes the job's log before each one)
-        checkpoint=lambda wc: f"{run_dir(wc.experiment, wc.method, wc.seed)}/checkpoint.pt",
+        # the log of every attempt (Snakemake deletes the job's log before each one); no checkpoint where the scale
+        # keeps no run state (smoke)
+        checkpoint=lambda wc: f"{run_dir(wc.experiment, wc.method, wc.seed)}/checkpoint.pt" if CFG.keep_run_state
+        else None,
         log_history=lambda wc: f"{run_dir(wc.experiment, wc.method, wc.seed)}/attempts.log",
         device=CFG.top["device"],
         threads=CFG.top["threads_per_run"],

@@ -136,3 +136,15 @@ def scratch_run(files: dict, out, method: str, arch: str = "resnet8_pft_mini", r
 def tiny_method_root(tmp_path_factory):
     """Where tests/every_method.py builds the mini datasets, cut partitions and artifacts (once per worker)."""
     return tmp_path_factory.mktemp("every_method")
+
+
+@pytest.fixture(scope="session")
+def smoke_config():
+    """Every paper at scale smoke, every output (the whole smoke DAG's config; tests/test_smoke*.py)."""
+    from pathlib import Path
+
+    from fedcore.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    return load_config({"scale": "smoke", "seeds": [0], "papers": ["sgpt", "fedhpl", "fedotp", "fedpft"],
+                        "outputs": "all"}, root)

@@ -94,7 +94,7 @@ def test_train_params_are_one_runs_slice():
 
 
 @pytest.mark.parametrize("override, needle", [
-    ({"scale": "huge"}, "at scale: 'huge' is not one of ['mini', 'paper']"),
+    ({"scale": "huge"}, "at scale: 'huge' is not one of ['mini', 'paper', 'smoke']"),
     ({"seeds": [0, "one"]}, "at seeds[1]: 'one' is not of type 'integer'"),
     ({"papers": ["sgtp"]}, "at papers[0]: 'sgtp' is not one of ['sgpt', 'fedhpl', 'fedotp', 'fedpft']"),
     ({"sedes": [0]}, "'sedes' was unexpected"),

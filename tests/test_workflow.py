@@ -152,6 +152,16 @@ def test_nothing_to_do_after_a_complete_run(workspace):
     assert _planned_jobs(workspace) == []
 
 
+def test_moving_the_checkout_reruns_nothing(workspace):
+    """Params and code inputs are relative to the checkout (an absolute checksums path once reran every job)."""
+    moved = workspace.with_name(workspace.name + "_moved")
+    workspace.rename(moved)
+    try:
+        assert _planned_jobs(moved) == []
+    finally:
+        moved.rename(workspace)
+
+
 def test_editing_one_method_reruns_only_its_jobs(workspace):
     src = workspace / "fedcore" / "methods" / "head_tune.py"
     original = src.read_text()

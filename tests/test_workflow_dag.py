@@ -32,4 +32,4 @@ def test_slurm_profile_gives_each_training_job_one_gpu(micro_dir):
 def test_bad_config_fails_before_any_job(micro_dir):
     out = _snakemake(micro_dir, "-n", "--config", "scale=huge")
     assert out.returncode != 0
-    assert "at scale: 'huge' is not one of ['mini', 'paper']" in out.stdout + out.stderr
+    assert "at scale: 'huge' is not one of ['mini', 'paper', 'smoke']" in out.stdout + out.stderr

@@ -20,17 +20,12 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from fedcore.backbones.registry import build_backbone, prompt_adapter
-from fedcore.backbones.vit import backbone_info
-from fedcore.data.arrays import load_bundle
 from fedcore.engine.data import Batch, DeviceSplit, InputPipeline, iterate_batches
 from fedcore.engine.loop import to_device
 from fedcore.engine.optim import autocast_for
 from fedcore.engine.roles import Method, Payload
-from fedcore.methods import method_class
-from fedcore.partition.file import Partition
 from fedcore.runtime.device import pick_device
-from fedcore.train import check_partition, paired_split
+from fedcore.train import RunFiles, build_run
 
 
 @dataclass
@@ -89,11 +84,6 @@ def load_trained_run(params: dict[str, Any], identity: dict[str, Any], dataset_p
     where = f"run {identity.get('experiment')}/{identity.get('method')}/seed{identity.get('seed')}"
     if not isinstance(arch, str):
         raise ValueError(f"{where}: the probes rebuild single-backbone runs only, got backbones {arch}")
-    cls = method_class(params.get("method", identity["method"]))
-    mparams = {**cls.defaults, **params.get("method_params", {})}
-    if cls.own_backbone(mparams) is not None or cls.artifacts(mparams) or cls.extra_datasets(mparams):
-        raise ValueError(f"{where}: method {cls.name} trains its own backbone or reads artifacts / extra datasets; "
-                         "the probes do not rebuild such runs")
     final = torch.load(final_path, map_location="cpu", weights_only=False)
     if not isinstance(final, dict) or "server" not in final or "clients" not in final:
         raise ValueError(f"{final_path} is not a final.pt of a training run (keys server and clients expected)")
@@ -102,23 +92,13 @@ def load_trained_run(params: dict[str, Any], identity: dict[str, Any], dataset_p
         if key in got and str(got[key]) != str(identity[key]):
             raise ValueError(f"{final_path}: written by {key} {got[key]!r}, expected {identity[key]!r}")
     dev = pick_device(device)
-    bundle = load_bundle(dataset_path)
-    part = Partition.load(partition_path)
-    check_partition(part, len(bundle.train), len(bundle.test), str(partition_path))
-    name, _, tag = arch.partition(".")
-    net = build_backbone(name, weights, tag or None, input_size=params.get("input_size"), sha256=sha256)
-    info = backbone_info(net)
-    method = cls(prompt_adapter(net).to(dev), bundle.num_classes, params.get("method_params", {})).to(dev)
-    train = DeviceSplit.from_arrays(bundle.train, dev)
-    test = DeviceSplit.from_arrays(bundle.test, dev)
-    source = train if part.spec.get("test_from") == "train" else test
-    train, train_idx = paired_split(train, part.train, part.train_images)
-    source, test_idx = paired_split(source, part.test, part.test_images)
-    to_dev = lambda s: to_device(s, dev)  # noqa: E731
-    return TrainedRun(method, train, train_idx, source, test_idx,
-                      InputPipeline(info["img_size"], info["mean"], info["std"]),
-                      to_dev(final["server"]), {int(c): to_dev(s) for c, s in final["clients"].items()})
-
+    # built as training builds it (a method that reads artifacts or extra datasets is refused there: none given);
+    # images, not cached frozen features, since the probes run the whole model
+    run = build_run(params, identity, arch, RunFiles(dataset_path, partition_path, (weights,), (sha256,)), dev,
+                    cache_frozen_features=False)
+    return TrainedRun(run.method, run.train, run.train_idx, run.eval_sets.source, run.eval_sets.client_indices,
+                      run.pipeline, to_device(final["server"], dev),
+                      {int(c): to_device(s, dev) for c, s in final["clients"].items()})
 
 
 def logged_final_accuracy(metrics_path: str | os.PathLike) -> dict[int, float]:

@@ -3,7 +3,8 @@
 Raw files live under ``<resources>/raw/<filename>`` (downloaded) or ``<resources>/manual/<filename>``
 (placed by the user), as listed in config/checksums.yaml. Archives are extracted once into
 ``<resources>/extracted/<dataset>/<archive stem>/`` (reused while the pinned checksum is unchanged).
-Embedded datasets need none of this.
+Embedded datasets and the smoke scale's synthetic analogues (fedcore/data/synthetic.py) need none of this: they
+are generated in-process.
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import yaml
 
 from fedcore.data import sources, sources_clip
 from fedcore.data.arrays import DatasetBundle, save_bundle
-from fedcore.data.download import (ChecksumError, ChecksumNotPinned, DataError, DownloadError,
-                                   ManualDataMissing, download, extract, file_digests, verify_file)
+from fedcore.data.download import (ChecksumError, ChecksumNotPinned, DataError, DownloadError, ManualDataMissing,
+                                   download, extract, file_digests, verify_file)
 from fedcore.data.embedded import EMBEDDED_DATASETS, PUBLIC_DATASETS, build_embedded
+from fedcore.data.facts import SYNTHETIC
+from fedcore.data.synthetic import build_synthetic
 from fedcore.io import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,7 @@ log = logging.getLogger(__name__)
 EMBEDDED: frozenset[str] = frozenset(EMBEDDED_DATASETS) | frozenset(PUBLIC_DATASETS)
 CONVERTERS = {**sources.CONVERTERS, **sources_clip.CONVERTERS}
 PAPER: tuple[str, ...] = tuple(CONVERTERS) + tuple(sources.COMPOSITES)
-DATASETS: tuple[str, ...] = tuple(EMBEDDED_DATASETS) + tuple(PUBLIC_DATASETS) + PAPER
+DATASETS: tuple[str, ...] = tuple(EMBEDDED_DATASETS) + tuple(PUBLIC_DATASETS) + PAPER + tuple(SYNTHETIC)
 
 RAW_DIR, MANUAL_DIR, EXTRACTED_DIR = "raw", "manual", "extracted"
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
@@ -40,8 +43,14 @@ class ChecksumsConfigError(ValueError):
 
 
 def is_embedded(name: str) -> bool:
-    """True for the datasets generated in-process (no raw files)."""
+    """True for the embedded digits datasets (scale mini)."""
     return name in EMBEDDED
+
+
+def is_generated(name: str) -> bool:
+    """True for the datasets generated in-process, without raw files: the embedded digits and the synthetic
+    analogues (scale smoke)."""
+    return name in EMBEDDED or name in SYNTHETIC
 
 
 def _check_name(name: str) -> None:
@@ -128,7 +137,7 @@ def _components(name: str) -> list[str]:
 
 def _entries(name: str, checksums: dict) -> list[dict]:
     _check_name(name)
-    if is_embedded(name):
+    if is_generated(name):
         return []
     files = validate_checksums(checksums)["files"]
     out = []
@@ -267,13 +276,15 @@ def _convert(name: str, resources_dir: Path, checksums: dict, timeout: float) ->
 def build_dataset(name: str, out_path: str | Path, resources_dir: str | Path | None = None,
                   checksums: dict | None = None, timeout: float = DEFAULT_TIMEOUT,
                   allow_folder_layout: bool = False) -> None:
-    """Write the bundle for `name` to `out_path` atomically (embedded: generated; paper: converted).
+    """Write the bundle for `name` to `out_path` atomically (embedded, synthetic: generated; paper: converted).
 
     Office/DomainNet found as image folders instead of the FedBN pickles get our own train/test split, not the
     papers': refused unless ``allow_folder_layout`` (config key ``allow_folder_layout``)."""
     _check_name(name)
     if is_embedded(name):
         bundle = build_embedded(name)
+    elif name in SYNTHETIC:
+        bundle = build_synthetic(name)
     else:
         if resources_dir is None or checksums is None:
             raise ValueError(f"dataset '{name}' is built from raw files: resources_dir and checksums are required")
@@ -292,7 +303,7 @@ def build_dataset(name: str, out_path: str | Path, resources_dir: str | Path | N
 
 
 __all__ = [
-    "EMBEDDED", "PAPER", "DATASETS", "is_embedded", "raw_files", "fetch_raw", "build_dataset", "check_data",
+    "EMBEDDED", "PAPER", "DATASETS", "is_embedded", "is_generated", "raw_files", "fetch_raw", "build_dataset", "check_data",
     "load_checksums", "validate_checksums", "ChecksumsConfigError", "ChecksumError", "ChecksumNotPinned",
     "ManualDataMissing", "DownloadError", "DataError",
 ]

@@ -146,7 +146,7 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
     check_model_device(method.models, device)
     roles = Boundary(method, device)  # every state and payload a role hands over comes out on the run's device
     ckpt = Checkpoint(checkpoint_path, spec.fingerprint(), checkpoint_inputs)
-    client, strategy, evaluator = method.client, method.strategy, method.evaluator
+    client, evaluator = method.client, method.evaluator
     if client_weights is not None and len(client_weights) != num_clients:
         raise ValueError(f"{len(client_weights)} client weights for {num_clients} clients")
 

@@ -13,7 +13,7 @@ from fedcore.metrics import METRIC_COLUMNS, METRIC_DTYPES, METRIC_SCHEMA  # noqa
 
 # One row per (run, round, client, split, metric); a duplicate means a run was counted twice.
 KEY_COLUMNS: list[str] = [c for c in METRIC_COLUMNS if c != "value"]
-SCALES = ("mini", "paper")
+SCALES = ("mini", "paper", "smoke")
 SPLITS = ("global", "local", "train")
 
 

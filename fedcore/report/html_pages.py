@@ -13,10 +13,17 @@ from pathlib import Path
 from fedcore.io import atomic_path
 from fedcore.papers import paper_title  # noqa: F401 - the pages' paper titles (inventory.py imports it from here)
 
+# The line every table and figure of a scale carries, where the scale's numbers are no results at all (written by
+# fedcore/report/render.py, the one place every table and figure passes through; the captions below quote it)
+SCALE_BANNERS = {"smoke": "smoke: synthetic data, not results"}
+
 SCALE_CAPTIONS = {
     "mini": ("Scale mini: embedded analogue data and tiny pretrained backbones on CPU; the numbers check the "
              "pipeline end to end and are not comparable to the paper's (its numbers are a layout reference only)."),
     "paper": "Scale paper: the paper's datasets, backbones and budgets; where a table shows Δ, Δ = ours − paper.",
+    "smoke": (f"Scale {SCALE_BANNERS['smoke']}: the paper's experiments, backbones (random weights where a weight "
+              "file is missing) and partitions, one round on synthetic data in each dataset's shape; it checks "
+              "that the paper-scale code runs, nothing more."),
 }
 
 CSS = """

@@ -114,7 +114,7 @@ def build_figure(fig_cfg: dict, path: str | os.PathLike, context: Mapping[str, A
 
 def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.PathLike, out_pdf: str | os.PathLike,
                   context: Mapping[str, Any]) -> None:
-    """Build the figure from its named input and write PNG and PDF atomically."""
+    """Build the figure from its named input and write PNG and PDF atomically (with the scale's banner, if any)."""
     from fedcore.report.plotting import save_figure
 
     kind = fig_cfg["kind"]
@@ -127,9 +127,45 @@ def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.Pa
             parts = inputs["partition_files"]
             parts = [parts] if isinstance(parts, (str, os.PathLike)) else list(parts)
             fig = data_outputs.partition_bubbles_figure(fig_cfg, inputs["dataset"], parts)
-        save_figure(fig, out_png, out_pdf)
+    else:
+        fig = build_figure(fig_cfg, inputs[figure_input(fig_cfg)], context)
+    stamp_banner(fig, context.get("scale"))  # data-only figures may be given no context
+    save_figure(fig, out_png, out_pdf)
+
+
+def stamp_banner(fig: Figure, scale: str | None) -> None:
+    """Write the scale's banner (smoke: "smoke: synthetic data, not results") in large red letters in a band added
+    on top of the figure, above its caption; nothing at the other scales."""
+    from fedcore.report.tables import scale_banner
+
+    banner = scale_banner(scale)
+    if banner is None:
         return
-    save_figure(build_figure(fig_cfg, inputs[figure_input(fig_cfg)], context), out_png, out_pdf)
+    band = 0.4  # inches added on top for the banner
+    height = fig.get_figheight()
+    total = height + band
+    fig.set_figheight(total)
+    fig.text(0.5, 1.0 - 0.05 / total, banner.upper(), ha="center", va="top", fontsize=16, fontweight="bold",
+             color="tab:red")
+    top = 1.0 - band / total  # the old figure's top edge, in the new figure's fraction
+    caption = fig.get_suptitle()
+    if caption:  # pinned right under the band (a suptitle placed by hand is left out of the layout's margins)
+        text = fig.suptitle(caption, y=top, va="top", fontsize="medium")
+        top -= (text.get_window_extent(fig.canvas.get_renderer()).height / fig.dpi + 0.1) / total
+    engine = fig.get_layout_engine()
+    if engine is not None and "rect" in engine.get():  # constrained layout: the panels (and notes) stay below
+        x0, y0, w, _ = engine.get()["rect"]
+        y0 *= height / total
+        engine.set(rect=(x0, y0, w, top - y0))
+
+
+def with_banner(table_cfg: dict, scale: str) -> dict:
+    """The table's config with the scale's banner (if any) in front of its caption, which every table writer
+    prints (Markdown, LaTeX and HTML alike)."""
+    from fedcore.report.tables import scale_banner
+
+    banner = scale_banner(scale)
+    return table_cfg if banner is None else {**table_cfg, "caption": f"[{banner.upper()}] {table_cfg.get('caption', '')}"}
 
 
 def render_table(table_cfg: dict, inputs: Mapping[str, Any], out_md: str | os.PathLike, out_tex: str | os.PathLike,
@@ -140,6 +176,7 @@ def render_table(table_cfg: dict, inputs: Mapping[str, Any], out_md: str | os.Pa
     path = inputs[table_input(table_cfg)]
     kind = table_cfg.get("kind", "metrics")
     scale = context["scale"]
+    table_cfg = with_banner(table_cfg, scale)
     if kind in ("metrics", "linear_probe"):
         from fedcore.report.tables import build_table, write_table
 

@@ -41,6 +41,7 @@ from typing import Any
 import pandas as pd
 
 from fedcore.io import atomic_path
+from fedcore.report.html_pages import SCALE_BANNERS, inline_markdown, page
 from fedcore.selection import replace_experiment, row_source
 
 OK = "ok"
@@ -83,7 +84,8 @@ METRIC_UNITS: dict[str, float] = {
 }
 PERCENT = 100.0
 
-PAPER_ROLE = {"paper": "target", "mini": "layout reference only (data and backbone differ)"}
+PAPER_ROLE = {"paper": "target", "mini": "layout reference only (data and backbone differ)",
+              "smoke": "layout reference only (synthetic data: not results)"}
 
 MINI_NOTE = (
     "Scale mini: our numbers come from the embedded analogue datasets and a tiny pretrained backbone; "
@@ -91,6 +93,8 @@ MINI_NOTE = (
     "so no difference is computed."
 )
 PAPER_NOTE = "Scale paper: Δ = ours − paper, in percentage points."
+SMOKE_NOTE = ("Scale smoke: the paper's setup for one round on synthetic data (random weights where a weight file is "
+              "missing); the paper's numbers are a reference for layout only, so no difference is computed.")
 
 STATUS_NOTES = {
     NOT_IMPLEMENTED: "not implemented = fedcore has no such method yet",
@@ -513,10 +517,17 @@ def _percent_only(table: pd.DataFrame) -> bool:
     return all(metric_factor({"metric": m}) == PERCENT for m in table["metric"].unique())
 
 
+def scale_banner(scale: str | None) -> str | None:
+    """The line every table and figure of ``scale`` must carry (smoke: synthetic data, not results), or None."""
+    return SCALE_BANNERS.get(scale)
+
+
 def scale_note(scale: str, percent: bool = True) -> str:
     """The caption sentence that says how to read the paper's numbers at this scale."""
     if scale == "mini":
         return MINI_NOTE
+    if scale == "smoke":
+        return SMOKE_NOTE
     return PAPER_NOTE if percent else "Scale paper: Δ = ours − paper, in the table's units."
 
 
@@ -589,8 +600,6 @@ def render_html(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
     side by side under the column's label, and the footnotes."""
     import html
 
-    from fedcore.report.html_pages import inline_markdown
-
     esc = lambda t: html.escape(str(t), quote=False)  # noqa: E731
     subs = _subheaders(scale)
     cols = _column_labels(table)
@@ -631,8 +640,6 @@ def write_table(table: pd.DataFrame, table_cfg: dict, scale: str, out_md: str | 
         Path(out_csv): render_csv(table),
     }
     if out_html is not None:
-        from fedcore.report.html_pages import page
-
         texts[Path(out_html)] = page(table_cfg.get("caption", Path(out_html).stem), render_html(table, table_cfg, scale))
     # Rename them only if every write succeeded, so the outputs never disagree with each other.
     with contextlib.ExitStack() as stack:
