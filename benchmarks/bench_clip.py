@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from fedcore.backbones.pretrain import pretrain  # noqa: E402
-from fedcore.backbones.pretrain_clip import zero_shot_accuracy  # noqa: E402
+from fedcore.backbones.pretrain.clip import zero_shot_accuracy  # noqa: E402
 from fedcore.backbones.prompted import attention_backend  # noqa: E402
 from fedcore.backbones.registry import build_backbone, input_cfg, prompt_adapter  # noqa: E402
 from fedcore.data.embedded import build_embedded  # noqa: E402

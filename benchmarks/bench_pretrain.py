@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from fedcore.backbones import vit as vit_mod  # noqa: E402
 from fedcore.backbones.images import to_model_input  # noqa: E402
-from fedcore.backbones.pretrain import pretrain_vit  # noqa: E402
+from fedcore.backbones.pretrain.supervised import pretrain_vit  # noqa: E402
 from fedcore.backbones.vit import backbone_info, build_vit  # noqa: E402
 from fedcore.data.arrays import ArrayDataset, DatasetBundle  # noqa: E402
 

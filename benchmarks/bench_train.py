@@ -26,7 +26,7 @@ from fedcore.engine.data import Batch  # noqa: E402
 from fedcore.engine.optim import ClientData, TrainSettings  # noqa: E402
 from fedcore.engine.roles import Client, FitResult, module_state  # noqa: E402
 from fedcore.engine.together import one_by_one, train_together  # noqa: E402
-from fedcore.methods import METHODS, method_class  # noqa: E402
+from fedcore.methods import method_class, method_names  # noqa: E402
 
 
 def _setup(method: str, arch: str, batch: int, device: torch.device):
@@ -106,7 +106,7 @@ def main() -> None:
     """Parse arguments and print one throughput line per method."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="vit_mini")
-    ap.add_argument("--methods", nargs="+", default=sorted(METHODS))
+    ap.add_argument("--methods", nargs="+", default=method_names())
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)

@@ -21,14 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedcore.config import load_config  # noqa: E402
 from fedcore.estimate import RATES, RUNTIME_MARGIN, STARTUP_S, estimate_run, request_minutes  # noqa: E402
-
-PAPERS = ["sgpt", "fedhpl", "fedotp", "fedpft"]
+from fedcore.papers import PAPERS  # noqa: E402
 
 
 def main() -> None:
     """Print the per-paper totals (and per-run lines with --runs)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--papers", nargs="+", default=PAPERS, choices=PAPERS)
+    ap.add_argument("--papers", nargs="+", default=list(PAPERS), choices=list(PAPERS))
     ap.add_argument("--outputs", default="all", help="all | headline (as --config outputs=...)")
     ap.add_argument("--runs", action="store_true", help="one line per run")
     a = ap.parse_args()

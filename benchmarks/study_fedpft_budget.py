@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from fedcore.config import load_config  # noqa: E402
 from fedcore.data.arrays import load_bundle  # noqa: E402
 from fedcore.data.registry import build_dataset  # noqa: E402
-from fedcore.partition import make_partition  # noqa: E402
+from fedcore.partition.make import make_partition  # noqa: E402
 from fedcore.train import train_run  # noqa: E402
 
 DEFAULT_BUDGETS = ["r10:b30:q64", "r40:b30:q64", "r20:b10", "r40:b10", "r40:b10:q4096"]

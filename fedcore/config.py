@@ -16,6 +16,9 @@ import yaml
 
 from fedcore.constraints import BackboneFacts, RunFacts, violations
 from fedcore.data.facts import dataset_facts
+from fedcore.papers import PAPERS
+from fedcore.selection import (chosen_outputs, figure_experiments, figure_methods, headline_item, output_runs,
+                               replace_experiment, row_source)
 
 CONFIG_DIR = "config"
 TOP_WHERE = "the top-level config (config/config.yaml or --config)"
@@ -61,8 +64,10 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 
 def _schema(root: Path) -> dict:
-    """The JSON schema document."""
-    return read_yaml(root / CONFIG_DIR / "schema.yaml")
+    """The JSON schema document, with the enum the code's registry owns filled in: the papers (fedcore/papers.py)."""
+    doc = read_yaml(root / CONFIG_DIR / "schema.yaml")
+    doc["$defs"]["top"]["properties"]["papers"]["items"]["enum"] = list(PAPERS)
+    return doc
 
 
 def _format_path(path) -> str:
@@ -278,9 +283,9 @@ class Resolved:
 
     def implemented_methods(self) -> list[str]:
         """Methods whose module exists, plus the variants of those methods (tables say 'not implemented' otherwise)."""
-        from fedcore.methods import METHODS, method_source
+        from fedcore.methods import method_names
 
-        have = {m for m in METHODS if method_source(m).exists()}
+        have = set(method_names())
         return sorted(have | {v for v, x in self.variants.items() if x["method"] in have})
 
     def at_scale(self, scale: str) -> "Resolved":
@@ -346,7 +351,7 @@ def run_backbones(exp: dict) -> list[str]:
 def _run_facts(exp: dict, resolved: "Resolved") -> RunFacts:
     """What a run of ``exp`` is checked against, from static registries (nothing is built)."""
     from fedcore.backbones.registry import arch_info
-    from fedcore.partition import num_clients
+    from fedcore.partition.spec import num_clients
 
     facts = dataset_facts(exp["dataset"])
     backbones = []
@@ -358,7 +363,7 @@ def _run_facts(exp: dict, resolved: "Resolved") -> RunFacts:
 
 def _check_partition(name: str, exp: dict, files: str) -> None:
     """The partition fits the dataset (classes, samples per client) and the clients' backbones, from static facts."""
-    from fedcore.partition import num_clients, spec_limits
+    from fedcore.partition.spec import num_clients, spec_limits
 
     facts = dataset_facts(exp["dataset"])
     bad = spec_limits(exp["partition"], facts, exp["dataset"])
@@ -479,8 +484,8 @@ def _check_backbone_entry(name: str, entry: dict, path: Path) -> None:
 
 def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved:
     """The papers' experiments, variants and reports mapped onto the scale ``top['scale']``, all checked."""
-    from fedcore.methods import METHODS, method_class
-    from fedcore.partition import partition_id, validate_spec
+    from fedcore.methods import method_class, method_names
+    from fedcore.partition.spec import partition_id, validate_spec
     from fedcore.data.registry import DATASETS
 
     chain = _scale_chain(root, top["scale"], schema, backbones, DATASETS)
@@ -496,8 +501,8 @@ def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolve
         for vname, variant in variants.items():
             vwhere = f"{exp_file} / {scale_file} (variant {vname})"
             validate(variant, schema, "variant", vwhere)
-            _check_name(variant["method"], METHODS, vwhere, "method")
-            if vname in METHODS or vname in resolved.variants:
+            _check_name(variant["method"], method_names(), vwhere, "method")
+            if vname in method_names() or vname in resolved.variants:
                 raise ConfigError(f"config error in {vwhere}: the name {vname!r} is already a method or variant")
             resolved.variants[vname] = variant
         for name, exp in doc["experiments"].items():
@@ -509,7 +514,7 @@ def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolve
             resolved.experiments[name] = out = _resolve_experiment(name, exp, doc["paper"], scale, scale_file,
                                                                    validate_spec, partition_id)
             where = f"{where} after {scale_file}"
-            runnable = set(METHODS) | set(resolved.variants)
+            runnable = set(method_names()) | set(resolved.variants)
             for i, m in enumerate(out["methods"]):
                 _check_name(m, runnable, where, f"methods[{i}]")
             # a known method or variant, though maybe not run here (a scale may cut an experiment's methods)
@@ -549,8 +554,6 @@ def _load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolve
 
 def _select_outputs(resolved: Resolved) -> None:
     """Pick the outputs the config's ``outputs`` names and the configured runs they read (fedcore/selection.py)."""
-    from fedcore.selection import chosen_outputs, output_runs
-
     outputs = resolved.top["outputs"]
     headline = {p: r["headline"] for p, r in resolved.reports.items()}
     if outputs == "headline":  # a paper without a list would silently build nothing
@@ -729,8 +732,6 @@ def _load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: 
 def _check_headline(items: list, tables: dict, figures: dict, where: str) -> None:
     """Headline entries name this paper's tables or figures; a part (rows, columns) only of a table, by its row
     keys and column labels or positions."""
-    from fedcore.selection import headline_item
-
     for i, item in enumerate(items):
         name, part = headline_item(item)
         _check_name(name, [*tables, *figures], where, f"headline[{i}]")
@@ -765,53 +766,9 @@ def _check_claims(claims: list[dict], tables: dict, figures: dict, where: str) -
 
 def _runnable(resolved: Resolved) -> set[str]:
     """Names a run's method may take: registered methods and the loaded variants."""
-    from fedcore.methods import METHODS
+    from fedcore.methods import method_names
 
-    return set(METHODS) | set(resolved.variants)
-
-
-def figure_experiments(fig: dict) -> list[str]:
-    """The experiments a figure reads (one panel each for accuracy_per_round and per_class)."""
-    if fig["kind"] == "partition_grid":
-        return list(dict.fromkeys(p["experiment"] for p in fig["panels"]))
-    if fig["kind"] == "per_class":  # a line may read another experiment per panel (experiment_replace)
-        from fedcore.report.tables import replace_experiment
-
-        return list(dict.fromkeys([p["experiment"] for p in fig["panels"]]
-                                  + [replace_experiment(p["experiment"], x.get("experiment_replace"))
-                                     for p in fig["panels"] for x in fig.get("lines", [])]))
-    if fig["kind"] == "bars":
-        return list(dict.fromkeys(c["experiment"] for c in fig["columns"]))
-    if fig["kind"] == "image_grid":  # reads datasets, not runs
-        return []
-    if fig["kind"] in ("partition_bubbles", "run_tsne", "attention"):
-        return list(dict.fromkeys(p["experiment"] for p in fig["panels"]))
-    if fig["kind"] == "sweep":  # a point may read its own experiment (a setting of the data, not the method)
-        return list(dict.fromkeys([fig["experiment"]] + [p["experiment"] for s in fig["series"]
-                                                         for p in s["points"] if "experiment" in p]))
-    return list(fig["experiments"]) if "experiments" in fig else [fig["experiment"]]
-
-
-def figure_methods(fig: dict, experiments: dict[str, dict] | None = None) -> set[str]:
-    """Every method or variant a figure names (accuracy_per_round: its experiments' methods)."""
-    names = set(fig.get("methods", [])) | set(fig.get("baselines", [])) | {x["method"] for x in fig.get("lines", [])}
-    names |= {r["method"] for r in fig.get("runs", [])}
-    if "method" in fig:
-        names.add(fig["method"])
-    if fig["kind"] == "bars":  # rows read through row_sources are labels; their method is what runs
-        sources = fig.get("row_sources", {})
-        names |= {sources[r]["method"] if r in sources else r for r in fig["rows"]}
-    if fig["kind"] == "scatter":
-        names |= set(fig.get("paper", {}))
-    if "highlight" in fig:
-        names.add(fig["highlight"])
-    names |= {p["method"] for p in fig.get("points", [])} | {p["method"] for p in fig.get("panels", []) if "method" in p}
-    for series in fig.get("series", []):
-        names |= {p["method"] for p in series["points"]}
-    if fig["kind"] == "accuracy_per_round" and experiments is not None:
-        for e in fig["experiments"]:
-            names |= set(experiments[e]["methods"])
-    return names
+    return set(method_names()) | set(resolved.variants)
 
 
 def _check_figure(fig: dict, experiments: dict, where: str, runnable: set[str]) -> None:
@@ -820,8 +777,6 @@ def _check_figure(fig: dict, experiments: dict, where: str, runnable: set[str]) 
         for k, point in enumerate(series["points"]):
             if "experiment" in point:
                 _check_name(point["experiment"], experiments, where, f"series[{j}].points[{k}].experiment")
-    from fedcore.report.tables import replace_experiment
-
     for j, line in enumerate(fig.get("lines", [])):
         for panel in fig["panels"]:
             _check_name(replace_experiment(panel["experiment"], line.get("experiment_replace")), experiments, where,
@@ -851,8 +806,6 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
     if table.get("kind") == "linear_probe":
         _check_probe_table(table, experiments, where, runnable)
         return
-    from fedcore.report.tables import row_source
-
     sources = table.get("row_sources", {})
     for row, src in sources.items():
         _check_name(row, table["rows"], where, f"row_sources.{row}")

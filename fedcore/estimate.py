@@ -19,6 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from fedcore.backbones.registry import arch_info
+from fedcore.data.facts import dataset_facts
+from fedcore.engine.loop import RunSpec
+from fedcore.engine.roles import Method
+from fedcore.engine.sampling import clients_per_round
+from fedcore.methods import method_class
+from fedcore.partition.make import make_partition
+
 __all__ = ["Rate", "RATES", "RunShape", "Estimate", "RUNTIME_MARGIN", "STARTUP_S", "run_shape", "estimate",
            "estimate_run", "request_minutes", "arch_class", "client_sizes"]
 
@@ -129,8 +137,6 @@ DISJOINT_DOMAIN_CLASSES = frozenset({"five_dataset"})
 def arch_class(arch: str) -> str:
     """The ``RATES`` class of a registered arch: ViTs by width (a smaller ViT counts as ViT-S), ResNets and CLIP by
     name; an arch without one is an error that names what to add."""
-    from fedcore.backbones.registry import arch_info
-
     info = arch_info(arch)
     if info["family"] == "vit":
         if info["dim"] <= 192:   # a small ViT of its own (pFedPT's), not a ViT-S/16 at 224 px
@@ -192,9 +198,6 @@ def client_sizes(dataset: str, spec: dict, partition_id: str) -> tuple[tuple[int
     partition, drawn by the partition's own code on labels of the dataset's shape (cached per partition)."""
     key = (dataset, partition_id)
     if key not in _SIZES:
-        from fedcore.data.facts import dataset_facts
-        from fedcore.partition import make_partition
-
         facts = dataset_facts(dataset)
         labels = _synthetic_labels(dataset, facts)
         part = make_partition(spec, 0, **labels)
@@ -231,12 +234,6 @@ class RunShape:
 
 def run_shape(resolved, experiment: str, method: str) -> RunShape:
     """The shape of run (experiment, method) of a resolved configuration (``fedcore.config.Resolved``)."""
-    from fedcore.data.facts import dataset_facts
-    from fedcore.engine.loop import RunSpec
-    from fedcore.engine.roles import Method
-    from fedcore.engine.sampling import clients_per_round
-    from fedcore.methods import method_class
-
     exp = resolved.experiments[experiment]
     tp = resolved.train_params(experiment, method)
     cls = method_class(tp["method"])

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fedcore.artifacts import artifact_module
 from fedcore.backbones.registry import UNPINNED, arch_spec
 from fedcore.config import run_backbones
-from fedcore.methods import method_class
+from fedcore.methods import method_class, method_module
 
 if TYPE_CHECKING:
     from fedcore.config import Resolved
@@ -43,6 +44,13 @@ class RunPlan:
     def method_class(self) -> type["Method"]:
         """The registered method the run executes (a variant's method for a variant)."""
         return method_class(self.params["method"])
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules the run imports by name besides fedcore.train's imports: its method's and its artifacts'
+        (with fedcore.train, the roots of its code inputs: fedcore/code_inputs.py)."""
+        artifacts = dict.fromkeys(artifact_module(key) for key in self.artifacts.values())
+        return (method_module(self.params["method"]), *artifacts)
 
 
 def arch_tag(cfg: "Resolved", backbone: str) -> str:

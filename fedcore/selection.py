@@ -1,5 +1,8 @@
 """Which runs a table or figure reads, and the runs a choice of outputs needs (the config's ``outputs``).
 
+Which run a table's cell or a figure's line reads (``row_source``, ``replace_experiment``, ``figure_experiments``,
+``figure_methods``) is decided here, from the configuration alone: the config checks it, the report builds with it.
+
 The default pipeline builds each paper's headline outputs only (``outputs: headline``, the ``headline:`` list of
 ``config/reports/<paper>.yaml``), so that all four papers fit the default run's budget; ``outputs: all`` builds
 every table and figure, and a list of names builds those. Every experiment keeps its configured methods: a
@@ -24,8 +27,6 @@ def table_run_list(table: dict, part: Mapping[str, list] | None = None) -> list[
     positions)."""
     if table.get("kind", "metrics") in _NO_RUN_TABLES:
         return []
-    from fedcore.report.tables import row_source
-
     part = part or {}
     sources = table.get("row_sources") or {}
     rows = [r for r in table["rows"] if "rows" not in part or r in part["rows"]]
@@ -51,9 +52,6 @@ def figure_runs(fig: dict, experiments: Mapping[str, dict]) -> set[Run]:
     """(experiment, method) pairs a figure may read, configured or not: exact for sweeps and per-class lines,
     otherwise every method it names in every experiment it names (an accuracy-per-round figure without a
     ``methods`` list draws all its experiments' methods)."""
-    from fedcore.config import figure_experiments, figure_methods
-    from fedcore.report.tables import replace_experiment
-
     kind = fig["kind"]
     if kind == "sweep":
         return {(p.get("experiment", fig["experiment"]), p["method"]) for s in fig["series"] for p in s["points"]}
@@ -104,3 +102,65 @@ def chosen_outputs(outputs: str | list[str], headline: Mapping[str, list], table
     if unknown:
         raise ValueError(f"outputs names {unknown}, which no loaded paper defines; tables and figures: {known}")
     return {n: [None] for n in outputs}
+
+
+def row_source(table_cfg: dict, row: str, col: dict) -> tuple[str, dict]:
+    """(method, column) a row's cell reads. The method: the row's ``row_sources`` method, else the column's
+    ``method`` (FedOTP Table A4: columns are the gamma variants, rows experiments), else the row itself. The
+    experiment: the row's source ``experiment``, else the column's with the source's ``experiment_replace: [old,
+    new]`` applied (FedHPL Table 2's "FedHPL (ViT)" row reads the heterogeneous-ViT experiment of each
+    heterogeneous-ResNet column), else the column's."""
+    src = (table_cfg.get("row_sources") or {}).get(row) or {}
+    method = src.get("method") or col.get("method") or row
+    experiment = src.get("experiment") or replace_experiment(col["experiment"], src.get("experiment_replace"))
+    return method, {**col, "experiment": experiment}
+
+
+def replace_experiment(experiment: str, replace: list[str] | None) -> str:
+    """``experiment`` with ``replace = [old, new]`` applied (a row or line that reads another experiment); as is
+    without one."""
+    if not replace or not replace[0]:
+        return experiment
+    return experiment.replace(replace[0], replace[1])
+
+
+def figure_experiments(fig: dict) -> list[str]:
+    """The experiments a figure reads (one panel each for accuracy_per_round and per_class)."""
+    if fig["kind"] == "partition_grid":
+        return list(dict.fromkeys(p["experiment"] for p in fig["panels"]))
+    if fig["kind"] == "per_class":  # a line may read another experiment per panel (experiment_replace)
+        return list(dict.fromkeys([p["experiment"] for p in fig["panels"]]
+                                  + [replace_experiment(p["experiment"], x.get("experiment_replace"))
+                                     for p in fig["panels"] for x in fig.get("lines", [])]))
+    if fig["kind"] == "bars":
+        return list(dict.fromkeys(c["experiment"] for c in fig["columns"]))
+    if fig["kind"] == "image_grid":  # reads datasets, not runs
+        return []
+    if fig["kind"] in ("partition_bubbles", "run_tsne", "attention"):
+        return list(dict.fromkeys(p["experiment"] for p in fig["panels"]))
+    if fig["kind"] == "sweep":  # a point may read its own experiment (a setting of the data, not the method)
+        return list(dict.fromkeys([fig["experiment"]] + [p["experiment"] for s in fig["series"]
+                                                         for p in s["points"] if "experiment" in p]))
+    return list(fig["experiments"]) if "experiments" in fig else [fig["experiment"]]
+
+
+def figure_methods(fig: dict, experiments: dict[str, dict] | None = None) -> set[str]:
+    """Every method or variant a figure names (accuracy_per_round: its experiments' methods)."""
+    names = set(fig.get("methods", [])) | set(fig.get("baselines", [])) | {x["method"] for x in fig.get("lines", [])}
+    names |= {r["method"] for r in fig.get("runs", [])}
+    if "method" in fig:
+        names.add(fig["method"])
+    if fig["kind"] == "bars":  # rows read through row_sources are labels; their method is what runs
+        sources = fig.get("row_sources", {})
+        names |= {sources[r]["method"] if r in sources else r for r in fig["rows"]}
+    if fig["kind"] == "scatter":
+        names |= set(fig.get("paper", {}))
+    if "highlight" in fig:
+        names.add(fig["highlight"])
+    names |= {p["method"] for p in fig.get("points", [])} | {p["method"] for p in fig.get("panels", []) if "method" in p}
+    for series in fig.get("series", []):
+        names |= {p["method"] for p in series["points"]}
+    if fig["kind"] == "accuracy_per_round" and experiments is not None:
+        for e in fig["experiments"]:
+            names |= set(experiments[e]["methods"])
+    return names

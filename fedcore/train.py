@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -12,7 +11,6 @@ import torch
 
 from fedcore.artifacts import load_artifact
 from fedcore.backbones.clip import clip_classnames
-from fedcore.partition_fedotp import prompt_class_names
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.backbones.standin import standin_note
@@ -25,25 +23,12 @@ from fedcore.engine.roles import ExtraData, Method
 from fedcore.engine.sampling import stream_seed
 from fedcore.io import atomic_path, atomic_torch_save
 from fedcore.methods import method_class
-from fedcore.partition import Partition
+from fedcore.partition.class_order import prompt_class_names
+from fedcore.partition.file import Partition
+from fedcore.runtime.device import pick_device
+from fedcore.runtime.seeding import seed_everything
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(requested: str = "auto") -> torch.device:
-    """CUDA when present (or asked for), CPU otherwise; asking for CUDA without one is an error."""
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device: cuda was requested but torch.cuda.is_available() is False")
-    if requested == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda")
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (model initialisation draws from torch's global RNG)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)  # NumPy's legacy seeding takes 32 bits only
-    torch.manual_seed(seed)
 
 
 def check_partition(part: Partition, n_train: int, n_test: int, where: str) -> None:

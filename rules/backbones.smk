@@ -1,13 +1,15 @@
 # Backbones: mini-scale ViTs and ResNets are pretrained here on the held-out split no client ever sees;
 # paper-scale weights must be a local file (never fetched from a hub inside a job); at smoke scale a missing
 # weight file is replaced by a random stand-in written here.
+from fedcore.backbones.pretrain import objective_module
 
 
 rule pretrain_backbone:
     input:
         # the clean embedded digits carry the held-out pretraining split (rendered in every style)
         dataset=dataset_file("digits"),
-        code=lambda wc: pretrain_code(wc.backbone),
+        code=lambda wc: code("pretrain_backbone.py",
+                             objective_module(CFG.backbones[wc.backbone]["pretrain"].get("objective", "supervised"))),
     output:
         f"{RESULTS}/backbones/{{backbone}}.pt",
     params:
@@ -43,7 +45,7 @@ rule random_backbone:
     """Scale smoke (`missing_weights: random`): fixed random weights, seeded by the arch, in place of a weight file
     that is not under resources/weights/, in the layout of its weight tag (fedcore/backbones/standin.py)."""
     input:
-        code=[str(FEDCORE / "backbones" / f) for f in ("standin.py", "registry.py")],
+        code=code("random_backbone.py"),
     output:
         f"{RESULTS}/backbones/random/{{backbone}}.safetensors",
     params:

@@ -11,7 +11,7 @@ def all_claim_reports():
 rule claims:
     input:
         metrics=f"{RESULTS}/metrics.parquet",
-        code=REPORT_CODE,
+        code=code("make_claims.py"),
     output:
         csv=f"{RESULTS}/report/{{paper}}_claims.csv",
         md=f"{RESULTS}/report/{{paper}}_claims.md",
@@ -29,7 +29,7 @@ rule claims:
 rule scorecard:
     input:
         metrics=f"{RESULTS}/metrics.parquet",
-        code=REPORT_CODE,
+        code=code("make_scorecard.py"),
     output:
         csv=f"{RESULTS}/report/{{paper}}_scorecard.csv",
         md=f"{RESULTS}/report/{{paper}}_scorecard.md",

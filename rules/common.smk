@@ -1,9 +1,7 @@
-# Helpers shared by the rule files: paths, wildcard constraints, per-run params.
-import glob as _glob
-
+# Helpers shared by the rule files: paths, wildcard constraints, per-run params, code inputs.
 import fedcore
-from fedcore.config import run_backbones
-from fedcore.methods import method_class, method_source, method_sources
+from fedcore.code_inputs import code_files
+from fedcore.methods import method_module
 from fedcore.plan import experiment_backbones, method_artifacts, plan_run
 
 SCALE = CFG.scale
@@ -32,14 +30,14 @@ def workdir_relative(path):
 FEDCORE = workdir_relative(Path(fedcore.__file__).parent)
 CHECKSUMS = str(workdir_relative(CFG.checksums_path))  # a param of the data rules
 
-# Engine code every training job runs; an edit here reruns every training job (by design).
-ENGINE_SOURCES = sorted(
-    _glob.glob(str(FEDCORE / "engine" / "*.py"))
-    + [str(FEDCORE / f) for f in ("backbones/images.py", "backbones/prompted.py", "backbones/vit.py",
-                                  "backbones/registry.py", "backbones/resnet.py", "backbones/standin.py",
-                                  "train.py", "methods/base.py", "methods/__init__.py", "io.py", "metrics.py",
-                                  "artifacts.py")]
-)
+SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
+
+
+def code(script, *modules):
+    """A job's code inputs: the fedcore files its script imports and, with them, the modules `modules` its run loads
+    by name (a method, an artifact kind, a pretraining objective, the partition schemes), all derived from the
+    imports (fedcore/code_inputs.py): an edit to one reruns the job, an edit to any other file reruns nothing."""
+    return [str(FEDCORE / f) for f in code_files(*modules, script=SCRIPTS / script)]
 
 
 def dataset_file(dataset):
@@ -68,18 +66,6 @@ def backbone_file(name):
 def standin_file(name):
     """The random stand-in for backbone `name`'s weight file (rule random_backbone)."""
     return f"{RESULTS}/backbones/random/{name}.safetensors"
-
-
-def pretrain_code(name):
-    """The code a pretraining job runs: the supervised objective's files, and pretrain_moco.py for moco,
-    pretrain_clip.py and clip.py for clip."""
-    files = ["pretrain.py", "registry.py", "vit.py", "resnet.py"]
-    objective = CFG.backbones[name]["pretrain"].get("objective")
-    if objective == "moco":
-        files.append("pretrain_moco.py")
-    if objective == "clip":
-        files += ["pretrain_clip.py", "clip.py"]
-    return [str(FEDCORE / "backbones" / f) for f in files]
 
 
 def plan(experiment, method, seed=0):
@@ -136,14 +122,10 @@ def artifact_files(exp_name, method):
 
 def train_inputs(wildcards):
     p = plan(wildcards.experiment, wildcards.method, wildcards.seed)
-    cls = p.method_class
-    # the CLIP text-prompt methods also run the CLIP adapter (their text tower) every step
-    clip = [str(FEDCORE / "backbones" / "clip.py")] if "clip_tokens" in p.artifacts.values() else []
     out = {
         "dataset": dataset_file(p.dataset),
         "partition": partition_file(wildcards.experiment, wildcards.seed),
-        "code": list(dict.fromkeys(ENGINE_SOURCES + [str(FEDCORE / "methods" / f.name)
-                                                     for f in method_sources(cls.name)] + clip)),
+        "code": code("train.py", *p.modules),  # its method's and its artifacts' modules: imported by name
     }
     if p.backbones:  # none when the method trains its own arch (pFedPT) or every backbone is drawn at random
         files = [backbone_file(b) for b in p.backbones]

@@ -1,16 +1,14 @@
 # Per-sample artifacts computed once per (backbone, dataset, key) and read by every consumer
-# (fedcore/artifacts.py): e.g. cls_block<b>, SGPT's Select queries (spec sgpt §1.4), also read by the
+# (fedcore/artifacts/): e.g. cls_block<b>, SGPT's Select queries (spec sgpt §1.4), also read by the
 # Table 4 clustering and the Fig. 6a K-Means; clip_tokens, the frozen CLIP's image tokens (FedOTP).
+from fedcore.artifacts import artifact_module
 
 
 rule features:
     input:
         dataset=lambda wc: dataset_file(wc.dataset),
         backbone=lambda wc: backbone_file(wc.backbone),
-        code=lambda wc: [str(FEDCORE / f) for f in ("artifacts.py", "features.py", "backbones/vit.py",
-                                                    "backbones/images.py", "backbones/prompted.py",
-                                                    "backbones/registry.py")
-                         + (("clip_features.py", "backbones/clip.py") if wc.artifact == "clip_tokens" else ())],
+        code=lambda wc: code("features.py", artifact_module(wc.artifact)),  # its kind's module: imported by name
     output:
         f"{RESULTS}/features/{{backbone}}/{{dataset}}/{{artifact}}.npz",
     params:

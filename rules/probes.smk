@@ -1,9 +1,6 @@
 # Probes: analyses that are not training runs but feed tables and figures (SGPT spec §6.0; FedOTP Figs. A4, A5).
 # Each writes results/probes/<table or figure name>/..., read by the table/figure rule of that name.
-from fedcore.methods import METHODS as _METHODS, method_class as _method_class, method_source as _method_source
-
-ANALYSIS_CODE = [str(FEDCORE / "analysis" / f) for f in ("clustering.py", "congruence.py", "params.py", "tsne.py",
-                                                          "transport.py")]
+from fedcore.methods import is_method as _is_method, method_class as _method_class
 
 
 def _probe_cfg(name, kind):
@@ -41,7 +38,7 @@ def congruence_inputs(wildcards):
         "queries": files.pop(),
         "dataset": dataset_file(CFG.experiments[exp]["dataset"]),
         "runs": [p["path"] for p in congruence_points(wildcards.name) if "path" in p],
-        "code": ANALYSIS_CODE,
+        "code": code("probe_congruence.py"),
     }
 
 
@@ -60,11 +57,9 @@ def congruence_groups(wildcards):
 
 def param_count_inputs(wildcards):
     """The code of every method a column builds: an edit of a method's model changes its count."""
-    code = set(ANALYSIS_CODE) | {str(FEDCORE / "methods" / "base.py"), str(FEDCORE / "backbones" / "prompted.py")}
-    for model in CFG.param_count_models(wildcards.name):
-        if model["source"] == "method" and model["base"] in _METHODS and _method_source(model["base"]).exists():
-            code.add(str(FEDCORE / "methods" / _method_source(model["base"]).name))
-    return {"code": sorted(code)}
+    methods = {method_module(m["base"]) for m in CFG.param_count_models(wildcards.name)
+               if m["source"] == "method" and _is_method(m["base"])}
+    return {"code": code("probe_param_counts.py", *sorted(methods))}
 
 
 def tsne_inputs(wildcards):
@@ -72,7 +67,7 @@ def tsne_inputs(wildcards):
     return {
         "dataset": dataset_file(exp["dataset"]),
         "backbone": backbone_file(exp["backbone"]),
-        "code": ANALYSIS_CODE + [str(FEDCORE / "features.py")],
+        "code": code("probe_tsne.py"),
     }
 
 
@@ -101,7 +96,8 @@ def transport_inputs(wildcards):
         "partition": partition_file(fig["experiment"], CFG.seeds[0]),
         "backbone": backbone_file(exp["backbone"]),
         "runs": [r["path"] for r in transport_runs(wildcards.name) if "path" in r],
-        "code": ANALYSIS_CODE + [str(FEDCORE / "methods" / f) for f in ("fedotp.py", "ot.py", "clip_prompt.py")],
+        "code": code("probe_transport_plans.py", *sorted({method_module(r["method"]) for r in transport_runs(wildcards.name)
+                                                           if "path" in r})),
     }
 
 
@@ -114,7 +110,7 @@ def prompt_tsne_inputs(wildcards):
         "final": f"{run_dir(exp, fig['method'], CFG.seeds[0])}/final.pt",
         "dataset": dataset_file(CFG.experiments[exp]["dataset"]),
         "partition": partition_file(exp, CFG.seeds[0]),
-        "code": ANALYSIS_CODE,
+        "code": code("probe_prompt_tsne.py"),
     }
 
 

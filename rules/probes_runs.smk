@@ -1,13 +1,8 @@
 # Probes on trained runs (FedPFT Tables 1, 4, 5, 8, Figs. 2, 3, 6; spec fedpft §1.12, §7.2): they rebuild a run's
 # method from its config slice and final.pt (fedcore/analysis/trained_run.py). Inputs: the run's final.pt (and, for
 # the linear probe, its metrics, to check the rebuild), its data, partition and backbone, and the code that builds
-# and probes the model (engine + the method's files + the analysis files), so an edit of any reruns the probe.
-from fedcore.methods import method_sources as _pft_method_sources
+# and probes the model (its imports and its methods' modules: rules/common.smk `code`), so an edit of any reruns it.
 from fedcore.selection import table_run_list
-
-# the linear probe runs the first two files; the t-SNE and attention probes all four
-RUN_PROBE_CODE = [str(FEDCORE / "analysis" / f)
-                  for f in ("trained_run.py", "linear_probe.py", "run_features.py", "tsne.py")]
 
 
 def _run_identity(exp, method, seed):
@@ -35,10 +30,9 @@ def trained_run_args(exp, method, seed):
             "weights": files.get("backbone"), "final_path": files["final"], "sha256": run_sha256(exp)}
 
 
-def run_probe_code(methods, analysis=RUN_PROBE_CODE):
-    """Engine, the methods' own files and the analysis files the probe runs."""
-    own = [str(FEDCORE / "methods" / p.name) for m in methods for p in _pft_method_sources(CFG.base_method(m))]
-    return list(dict.fromkeys(ENGINE_SOURCES + own + list(analysis)))
+def run_probe_code(script, methods):
+    """The code a probe of trained runs executes: its script's imports and the modules of the runs' methods."""
+    return code(script, *sorted({method_module(CFG.base_method(m)) for m in methods}))
 
 
 def linear_probe_file(exp, method, seed):
@@ -56,7 +50,7 @@ def linear_probe_files(name):
 def linear_probe_inputs(wildcards):
     files = trained_run_files(wildcards.experiment, wildcards.method, wildcards.seed)
     return {**files, "metrics": f"{run_dir(wildcards.experiment, wildcards.method, wildcards.seed)}/metrics.parquet",
-            "code": run_probe_code([wildcards.method], RUN_PROBE_CODE[:2])}
+            "code": run_probe_code("probe_linear.py", [wildcards.method])}
 
 
 def probe_panels(name, kind):
@@ -73,12 +67,13 @@ def probe_panels(name, kind):
     return out
 
 
-def probe_panel_inputs(kind):
+def probe_panel_inputs(kind, script):
     def inputs(wildcards):
         panels = probe_panels(wildcards.name, kind)
         files = [f for p in panels if "run" in p
                  for f in trained_run_files(p["experiment"], p["method"], CFG.seeds[0]).values()]
-        return {"runs": list(dict.fromkeys(files)), "code": run_probe_code([p["method"] for p in panels])}
+        return {"runs": list(dict.fromkeys(files)),
+                "code": run_probe_code(script, [p["method"] for p in panels if "run" in p])}
     return inputs
 
 
@@ -104,7 +99,7 @@ rule linear_probe:
 
 rule run_tsne:
     input:
-        unpack(probe_panel_inputs("run_tsne")),
+        unpack(probe_panel_inputs("run_tsne", "probe_run_tsne.py")),
     output:
         f"{RESULTS}/probes/{{name}}/run_tsne.npz",
     params:
@@ -125,7 +120,7 @@ rule run_tsne:
 
 rule attention:
     input:
-        unpack(probe_panel_inputs("attention")),
+        unpack(probe_panel_inputs("attention", "probe_attention.py")),
     output:
         f"{RESULTS}/probes/{{name}}/attention.npz",
     params:

@@ -3,13 +3,15 @@
 # edit of it reruns the output. The config's `kind` picks the builder (fedcore/report/render.py).
 # `snakemake --report results/report.html` gathers every output wrapped in report(...) below into one HTML
 # page: a section (category) per paper with its Tables, Figures and Runs, and the Choices and deviations.
-from fedcore.report.html_pages import paper_title, report_caption
+from fedcore.papers import paper_title
+from fedcore.report.html_pages import report_caption
 from fedcore.report.inventory import configured_runs, method_labels, unbuilt_outputs
 from fedcore.data.sources import FOLDER_LAYOUT_DATASETS
 from fedcore.report.render import figure_input, personalized_flags, table_input
 
-# Report code every table and figure runs: an edit here rebuilds them (cheap), never a training run.
-REPORT_CODE = sorted(str(p) for p in (FEDCORE / "report").glob("*.py"))
+# The code a table or figure runs (its script's imports: rules/common.smk `code`): an edit of it rebuilds them
+# (cheap), never a training run.
+TABLE_CODE, FIGURE_CODE = code("make_table.py"), code("make_figure.py")
 
 # >>> Claim checks and scorecards: the ONE place to add them to the HTML report. The rules `claims` and
 # `scorecard` (another change) write results/report/{paper}_claims.md and {paper}_scorecard.md; list each page
@@ -117,21 +119,21 @@ def table_inputs(wildcards):
     table = CFG.tables[wildcards.name]
     kind_input = table_input(table)
     if kind_input == "datasets":
-        return {"datasets": report_bundles(table), "code": REPORT_CODE}
+        return {"datasets": report_bundles(table), "code": TABLE_CODE}
     return {kind_input: report_data(wildcards.name, kind_input), "bundles": folder_layout_bundles(table),
-            "code": REPORT_CODE}
+            "code": TABLE_CODE}
 
 
 def figure_inputs(wildcards):
     fig = CFG.figures[wildcards.name]
     kind_input = figure_input(fig)
     if kind_input == "datasets":
-        return {"datasets": report_bundles(fig), "code": REPORT_CODE}
+        return {"datasets": report_bundles(fig), "code": FIGURE_CODE}
     if kind_input == "partition_files":  # one partition file per panel's experiment, all on one dataset
         exps = [CFG.experiments[p["experiment"]] for p in fig["panels"]]
         return {"partition_files": [partition_file(p["experiment"], CFG.seeds[0]) for p in fig["panels"]],
-                "dataset": dataset_file(exps[0]["dataset"]), "code": REPORT_CODE}
-    return {kind_input: report_data(wildcards.name, kind_input), "code": REPORT_CODE}
+                "dataset": dataset_file(exps[0]["dataset"]), "code": FIGURE_CODE}
+    return {kind_input: report_data(wildcards.name, kind_input), "code": FIGURE_CODE}
 
 
 def figure_personalized(wildcards):
@@ -142,7 +144,8 @@ def figure_personalized(wildcards):
 
 rule aggregate_metrics:
     input:
-        all_runs_metrics(),
+        runs=all_runs_metrics(),
+        code=code("aggregate_metrics.py"),
     output:
         f"{RESULTS}/metrics.parquet",
     log:
@@ -197,7 +200,7 @@ rule run_inventory:
     input:
         metrics=f"{RESULTS}/metrics.parquet",
         tables=paper_table_csvs,
-        code=REPORT_CODE,
+        code=code("run_inventory.py"),
     output:
         html=report(f"{RESULTS}/report/{{paper}}_runs.html", caption=ITEM_CAPTION, category=paper_section,
                     subcategory="Runs"),
@@ -221,7 +224,7 @@ rule run_inventory:
 rule deviations_page:
     input:
         md=str(DEVIATIONS_MD),
-        code=REPORT_CODE,
+        code=code("markdown_page.py"),
     output:
         report(f"{RESULTS}/report/deviations.html", caption=ITEM_CAPTION, category="Choices and deviations"),
     params:
@@ -239,7 +242,7 @@ rule deviations_page:
 rule markdown_page:
     input:
         md=f"{RESULTS}/report/{{paper}}_{{page}}.md",
-        code=REPORT_CODE,
+        code=code("markdown_page.py"),
     output:
         report(f"{RESULTS}/report/{{paper}}_{{page}}.html", caption=ITEM_CAPTION, category=paper_section,
                subcategory=markdown_page_subcategory),

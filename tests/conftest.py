@@ -8,7 +8,7 @@ import torch
 from fedcore.backbones.registry import build_backbone
 from fedcore.backbones.vit import build_vit
 from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
-from fedcore.partition import make_partition
+from fedcore.partition.make import make_partition
 
 torch.set_num_threads(1)
 
@@ -65,7 +65,7 @@ def identity(method: str, seed: int = 0) -> dict:
 def learnable_run_files(tiny_run_files, tmp_path_factory):
     """``tiny_run_files`` with a vit_mini briefly pretrained on other blob images: a random-init vit_mini's
     CLS feature is nearly constant, so no method gets above chance on it (shared by the methods' tests)."""
-    from fedcore.backbones.pretrain import pretrain_vit
+    from fedcore.backbones.pretrain.supervised import pretrain_vit
     from fedcore.data.arrays import DatasetBundle
 
     pre = synthetic_bundle(n_train=240, n_test=8, seed=1)

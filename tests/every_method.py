@@ -21,7 +21,8 @@ from fedcore.data.arrays import load_bundle
 from fedcore.data.registry import build_dataset
 from fedcore.engine import loop
 from fedcore.engine.placement import Boundary, off_device, place
-from fedcore.partition import Partition, make_partition
+from fedcore.partition.file import Partition
+from fedcore.partition.make import make_partition
 from fedcore.plan import RunPlan, plan_run
 from fedcore.train import train_run
 from virtual_device import VIRTUAL, OnVirtualDevice

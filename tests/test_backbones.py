@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from fedcore.backbones.images import to_model_input
-from fedcore.backbones.pretrain import pretrain_vit, random_shift
+from fedcore.backbones.pretrain.common import random_shift
+from fedcore.backbones.pretrain.supervised import pretrain_vit
 from fedcore.backbones.prompted import PromptedViT, attention_backend, init_prompts
 from fedcore.backbones.vit import ARCHS, backbone_info, build_vit
 from fedcore.data.arrays import ArrayDataset, DatasetBundle

@@ -16,8 +16,9 @@ import yaml
 from fedcore.artifacts import load_artifact
 from fedcore.backbones.registry import ARCH_SPECS, WeightFileError, build_backbone, pretrained_cfg
 from fedcore.data.arrays import load_bundle, save_bundle
-from fedcore.features import FORMAT
-from fedcore.partition import Partition, make_partition
+from fedcore.artifacts.select_queries import FORMAT
+from fedcore.partition.file import Partition
+from fedcore.partition.make import make_partition
 from tests.conftest import synthetic_bundle
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,6 +27,16 @@ def test_default_config_runs_every_papers_headline_at_mini():
     assert len(cfg.runs()) < len(cfg.runs(selected_only=False)) / 5
 
 
+def test_the_paper_registry_is_the_schemas_and_the_config_files():
+    """fedcore/papers.py names the papers: the schema allows exactly them, and each has its experiment and report file."""
+    from fedcore.papers import PAPERS
+
+    for kind in ("experiments", "reports"):
+        assert {p.stem for p in (ROOT / "config" / kind).glob("*.yaml")} == set(PAPERS)
+    with pytest.raises(ConfigError, match=r"papers\[0\]: 'fedfoo' is not one of \['sgpt', 'fedhpl', 'fedotp', 'fedpft'\]"):
+        load_config({**DEFAULT, "papers": ["fedfoo"]}, ROOT)
+
+
 def test_sgpt_config_resolves_to_mini_runs():
     cfg = load_config(DEFAULT, ROOT)
     assert cfg.scale == "mini"
@@ -244,9 +254,9 @@ def test_a_methods_own_check_runs_for_what_rules_cannot_say(tmp_path):
 
 
 def test_every_method_param_declares_a_constraint():
-    from fedcore.methods import METHODS, method_class
+    from fedcore.methods import method_class, method_names
 
-    for name in METHODS:
+    for name in method_names():
         cls = method_class(name)
         assert set(cls.param_rules) == set(cls.defaults), name
 

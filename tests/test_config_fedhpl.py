@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 
 from fedcore.config import ConfigError, load_config
-from fedcore.methods import method_sources
+from fedcore.code_inputs import code_files
+from fedcore.methods import method_module
 from fedcore.report.tables import build_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,8 +89,8 @@ def test_a_row_source_reads_another_method_in_another_experiment(both):
 
 
 def test_a_method_reruns_when_a_method_module_it_builds_on_changes():
-    names = {p.name for p in method_sources("fedgen")}
-    assert names == {"fedgen.py", "global_head.py"}
+    names = {p.name for p in code_files(method_module("fedgen")) if p.parts[0] == "methods"}
+    assert names == {"__init__.py", "base.py", "fedgen.py", "global_head.py"}
 
 
 def test_parameter_tables_count_the_papers_models_exactly(both):

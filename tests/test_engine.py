@@ -222,7 +222,7 @@ def test_unreadable_checkpoint_is_reported_not_overwritten(tiny_run_files, tmp_p
 
 
 def test_partition_that_does_not_fit_the_dataset_is_rejected_before_training(tiny_run_files, tmp_path):
-    from fedcore.partition import Partition
+    from fedcore.partition.file import Partition
     import numpy as np
 
     bad = Partition(train=[np.array([0, 1, 10_000])], test=[np.array([0])], spec={"scheme": "iid"}, seed=0)
@@ -237,7 +237,7 @@ def test_partition_that_does_not_fit_the_dataset_is_rejected_before_training(tin
 def uneven_files(tiny_run_files, tmp_path):
     """The tiny run files with clients of 20, 45, 70 and 105 training images (1, 3, 5 and 7 batches)."""
     import numpy as np
-    from fedcore.partition import Partition
+    from fedcore.partition.file import Partition
 
     cuts = np.cumsum([0, 20, 45, 70, 105])
     perm = np.random.default_rng(0).permutation(240)
@@ -340,7 +340,7 @@ def test_domain_size_weights_count_each_domains_whole_train_set():
     """client_weights: domain_size gives a client its domain's whole train set over the domain's clients (the
     official SGPT code's weights), whatever subset it trains on; train_size keeps the engine's sample counts."""
     from fedcore.data.arrays import ArrayDataset
-    from fedcore.partition import Partition
+    from fedcore.partition.file import Partition
     from fedcore.train import client_weights
 
     domain = np.array([0] * 6 + [1] * 3 + [2] * 9)

@@ -9,7 +9,8 @@ from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import backbone_info, build_vit
 from fedcore.data.arrays import save_bundle
 from fedcore.engine.data import Batch, DeviceSplit, InputPipeline, iterate_batches
-from fedcore.features import compute_select_queries, layer_features, load_select_queries, read_select_queries
+from fedcore.artifacts.select_queries import (compute_select_queries, layer_features, load_select_queries,
+                                              read_select_queries)
 from tests.conftest import synthetic_bundle
 
 

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from fedcore.config import ConfigError, figure_experiments, load_config
-from fedcore.partition import make_partition
+from fedcore.partition.make import make_partition
 from fedcore.report.fig_metrics import sweep_figure, sweep_points
 from fedcore.report.plotting import figure_notes
 from fedcore.report.tables import MISSING_RUN, OK

@@ -9,7 +9,7 @@ import pytest
 from fedcore.config import ConfigError, load_config
 from fedcore.data.arrays import save_bundle
 from fedcore.data.embedded import build_embedded
-from fedcore.partition import make_partition
+from fedcore.partition.make import make_partition
 from fedcore.report import data_outputs
 from fedcore.report.render import render_figure, render_table
 

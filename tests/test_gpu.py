@@ -80,7 +80,7 @@ def test_select_queries_on_cuda_are_fp32(tiny_run_files, tmp_path):
     they equal the CPU's to fp32 kernel noise, far below bf16's ~1e-2 relative rounding."""
     import numpy as np
 
-    from fedcore.features import compute_select_queries, read_select_queries
+    from fedcore.artifacts.select_queries import compute_select_queries, read_select_queries
 
     for dev in ("cpu", "cuda"):
         compute_select_queries(tiny_run_files["dataset"], "vit_mini", tiny_run_files["weights"], 3,

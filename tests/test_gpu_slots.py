@@ -1,4 +1,4 @@
-"""The GPU slot pool (fedcore/gpu_slots.py) with a pretend pool of devices: no GPU needed."""
+"""The GPU slot pool (fedcore/runtime/gpu_slots.py) with a pretend pool of devices: no GPU needed."""
 from __future__ import annotations
 
 import os
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from fedcore import gpu_slots
-from fedcore.gpu_slots import GpuSlotsBusy, acquire, claim_for_job, lock_dir, pool_devices
+from fedcore.runtime import gpu_slots
+from fedcore.runtime.gpu_slots import GpuSlotsBusy, acquire, claim_for_job, lock_dir, pool_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 # a job process: claims a GPU of the pretend pool, prints it, holds it until its stdin closes (or it is killed)
-HOLDER = ("import sys; from fedcore.gpu_slots import claim_for_job; "
+HOLDER = ("import sys; from fedcore.runtime.gpu_slots import claim_for_job; "
           "print(claim_for_job(1, 'auto', wait_s=float(sys.argv[1])), flush=True); sys.stdin.read()")
 
 

@@ -18,7 +18,7 @@ from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import FitResult, RoundInfo, load_state, module_state
 from fedcore.methods.base import PromptClassifier
 from fedcore.methods.fedem import FedEM, responsibilities
-from fedcore.partition import make_partition
+from fedcore.partition.make import make_partition
 from fedcore.train import train_run
 
 

@@ -17,7 +17,7 @@ from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import FitResult, module_state
 from fedcore.methods.fedmix import FedMix, client_means, fedmix_loss
-from fedcore.partition import make_partition
+from fedcore.partition.make import make_partition
 from fedcore.train import train_run
 
 

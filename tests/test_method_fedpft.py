@@ -244,7 +244,7 @@ def test_a_run_trains_end_to_end_and_its_moco_state_survives_a_resume(tiny_run_f
     assert m["value"].notna().all()
     assert m.equals(resumed.metrics)
     moco = full.client_states[0]["moco"]
-    from fedcore.partition import Partition
+    from fedcore.partition.file import Partition
     n0 = len(Partition.load(tiny_run_files["partition"]).train[0])
     assert int(moco["ptr"]) == (2 * 2 * n0) % 32          # 2 rounds x 2 epochs of client 0's keys enqueued
     for c, st in full.client_states.items():

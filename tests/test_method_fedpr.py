@@ -16,7 +16,7 @@ from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import FitResult, RoundInfo, load_state, module_state
 from fedcore.methods.fedpr import FedPR, project_out, protected_basis
-from fedcore.partition import make_partition
+from fedcore.partition.make import make_partition
 from fedcore.train import train_run
 
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}  # momentum + wd: the whole step projected

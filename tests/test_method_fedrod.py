@@ -14,7 +14,7 @@ from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData
 from fedcore.methods.fedrod import COUNTS, FedRoD, balanced_softmax_loss, label_counts, rod_logits
-from fedcore.partition import Partition
+from fedcore.partition.file import Partition
 
 
 def _method(arch: str = "resnet8_pft_mini", **params) -> FedRoD:

@@ -16,7 +16,7 @@ from fedcore.backbones.registry import build_backbone
 from fedcore.data.arrays import save_bundle
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.methods.clip_prompt import TOKENS
-from fedcore.partition import make_partition
+from fedcore.partition.make import make_partition
 from fedcore.train import train_run
 
 

@@ -13,10 +13,10 @@ from fedcore.data.arrays import save_bundle
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import FitResult, RoundInfo, module_state
-from fedcore.features import compute_select_queries
+from fedcore.artifacts.select_queries import compute_select_queries
 from fedcore.methods import sgpt as sgpt_module
 from fedcore.methods.sgpt import QUERY, SGPT, aggregate_keys, assign, orthogonal_keys, select_groups
-from fedcore.partition import make_partition
+from fedcore.partition.make import make_partition
 from fedcore.train import train_run
 from tests.conftest import identity, run_params, synthetic_bundle
 

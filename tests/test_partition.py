@@ -1,4 +1,4 @@
-"""Tests of fedcore.partition and fedcore.partition_plots on small synthetic labels."""
+"""Tests of fedcore/partition/ (schemes, validation, file, heatmaps) on small synthetic labels."""
 from __future__ import annotations
 
 import json
@@ -9,17 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedcore.data.facts import DatasetFacts, SplitFacts
-from fedcore.partition import (
-    SCHEMES,
-    TEST_MODES,
-    Partition,
-    class_counts,
-    make_partition,
-    partition_id,
-    spec_limits,
-    validate_spec,
-)
-from fedcore.partition_plots import plot_class_heatmap
+from fedcore.partition.file import Partition
+from fedcore.partition.make import class_counts, make_partition
+from fedcore.partition.registry import schemes
+from fedcore.partition.spec import partition_id, spec_limits, validate_spec
+from fedcore.partition.plots import plot_class_heatmap
 
 N_CLASSES, N_TRAIN_PER_CLASS, N_TEST_PER_CLASS = 10, 60, 20
 
@@ -76,7 +70,7 @@ def test_validate_fills_defaults_and_is_idempotent():
 def test_validate_unknown_scheme_names_allowed_values():
     with pytest.raises(ValueError, match="scheme") as e:
         validate_spec({"scheme": "shards", "clients": 3})
-    for name in SCHEMES:
+    for name in schemes():
         assert name in str(e.value)
 
 
@@ -105,11 +99,14 @@ def test_validate_missing_required_and_bad_values():
 
 
 def test_schemes_and_test_modes_are_json_and_consistent():
-    json.dumps(SCHEMES)
-    assert set(SCHEMES) == set(TEST_MODES)
-    for name, keys in SCHEMES.items():
-        assert keys["test"] == TEST_MODES[name][0]
-        assert ("clients" in keys) == (name != "domain")
+    registered = schemes()
+    assert set(registered) == {"iid", "dirichlet", "dirichlet_per_client", "classes_per_client", "pathological",
+                               "domain", "dirichlet_overlap", "class_subsets", "fewshot_pathological", "pachinko",
+                               "coarse_split"}
+    for name, entry in registered.items():
+        json.dumps(entry.keys)
+        assert entry.keys["test"] == entry.test_modes[0]
+        assert ("clients" in entry.keys) == (name != "domain")
 
 
 def test_partition_id_stable_and_sensitive():

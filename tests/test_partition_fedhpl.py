@@ -14,9 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedcore.partition import Partition, class_counts, make_partition, partition_id, validate_spec
-from fedcore.partition_fedhpl import random_alpha
-from fedcore.partition_plots import plot_class_heatmap
+from fedcore.partition.file import Partition
+from fedcore.partition.make import class_counts, make_partition
+from fedcore.partition.spec import partition_id, validate_spec
+from fedcore.partition.schemes.fedhpl import random_alpha
+from fedcore.partition.plots import plot_class_heatmap
 
 K = 5
 

@@ -10,8 +10,11 @@ import pytest
 
 from fedcore.data.embedded import build_embedded
 from fedcore.data.facts import dataset_facts
-from fedcore.partition import Partition, make_partition, partition_id, spec_limits, validate_spec
-from fedcore.partition_fedotp import classname_order, fewshot_blocks
+from fedcore.partition.file import Partition
+from fedcore.partition.make import make_partition
+from fedcore.partition.spec import partition_id, spec_limits, validate_spec
+from fedcore.partition.class_order import classname_order
+from fedcore.partition.schemes.fedotp import fewshot_blocks
 
 
 def _labels(per_class: list[int], seed: int) -> np.ndarray:
@@ -222,7 +225,7 @@ def test_paired_split_shows_the_partition_images_with_the_partition_labels():
 
 
 def test_prompt_class_names_label_order_or_the_flagged_permutation():
-    from fedcore.partition_fedotp import prompt_class_names
+    from fedcore.partition.class_order import prompt_class_names
 
     names = ["back_pack", "bike", "calculator", "headphones"]
     assert prompt_class_names(names, None) == names

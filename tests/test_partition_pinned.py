@@ -12,7 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from fedcore.partition import Partition, make_partition, partition_id
+from fedcore.partition.file import Partition
+from fedcore.partition.make import make_partition
+from fedcore.partition.spec import partition_id
 
 
 def _labels(per_class: list[int], seed: int) -> np.ndarray:

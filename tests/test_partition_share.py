@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedcore.partition import make_partition, partition_id, validate_spec
+from fedcore.partition.make import make_partition
+from fedcore.partition.spec import partition_id, validate_spec
 
 
 def _labels(per_class: list[int], seed: int) -> np.ndarray:

@@ -131,24 +131,25 @@ def test_probe_table_cells_statuses_and_seed_stats():
 
 
 def test_probe_figures_draw_every_panel_or_say_why(tmp_path):
-    from fedcore.analysis.run_features import ATTENTION_FORMAT, TSNE_FORMAT, _save, read_panels
+    from fedcore.analysis.probe_files import ATTENTION_FORMAT, RUN_TSNE_FORMAT, read_panels, save_panels
     from fedcore.report.fig_pft_probes import attention_figure, tsne_runs_figure
     from fedcore.report.plotting import figure_notes
 
     rng = np.random.default_rng(0)
-    _save(tmp_path / "t.npz", {"emb_0": rng.normal(size=(12, 2)), "labels_0": np.arange(12) % 3,
-                                "clients_0": np.arange(12) % 2},
-          {"format": TSNE_FORMAT, "panels": [{"label": "A", "method": "fedpft", "feature": "phi", "status": "ok",
-                                              "clients": 2},
-                                             {"label": "B", "method": "fedper", "feature": "phi",
-                                              "status": "not configured"}], "perplexity": 5, "seed": 0})
-    fig = tsne_runs_figure(*read_panels(tmp_path / "t.npz", TSNE_FORMAT), {"caption": "Fig", "centroids": True}, "mini")
+    save_panels(tmp_path / "t.npz", {"emb_0": rng.normal(size=(12, 2)), "labels_0": np.arange(12) % 3,
+                                     "clients_0": np.arange(12) % 2},
+                {"format": RUN_TSNE_FORMAT, "panels": [{"label": "A", "method": "fedpft", "feature": "phi",
+                                                        "status": "ok", "clients": 2},
+                                                       {"label": "B", "method": "fedper", "feature": "phi",
+                                                        "status": "not configured"}], "perplexity": 5, "seed": 0})
+    fig = tsne_runs_figure(*read_panels(tmp_path / "t.npz", RUN_TSNE_FORMAT), {"caption": "Fig", "centroids": True},
+                           "mini")
     assert "fedper: not configured" in figure_notes(fig)
     w = rng.dirichlet(np.ones(4), size=5)
-    _save(tmp_path / "a.npz", {"weights_0": w, "labels_0": np.zeros(5)},
-          {"format": ATTENTION_FORMAT, "panels": [{"label": "p", "method": "fedpft", "prompts": "p_kappa",
-                                                   "status": "ok"}], "client": 0, "samples": 5})
+    save_panels(tmp_path / "a.npz", {"weights_0": w, "labels_0": np.zeros(5)},
+                {"format": ATTENTION_FORMAT, "panels": [{"label": "p", "method": "fedpft", "prompts": "p_kappa",
+                                                         "status": "ok"}], "client": 0, "samples": 5})
     fig = attention_figure(*read_panels(tmp_path / "a.npz", ATTENTION_FORMAT), {"caption": "Fig 6"}, "mini")
     assert "client 0" in figure_notes(fig)
     with pytest.raises(ValueError, match="is not a"):
-        read_panels(tmp_path / "a.npz", TSNE_FORMAT)
+        read_panels(tmp_path / "a.npz", RUN_TSNE_FORMAT)

@@ -1,4 +1,4 @@
-"""Contrastive image-text pretraining of the mini CLIP (fedcore.backbones.pretrain_clip)."""
+"""Contrastive image-text pretraining of the mini CLIP (fedcore.backbones.pretrain.clip)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fedcore.backbones.pretrain import objective_keys, pretrain
-from fedcore.backbones.pretrain_clip import TEMPLATES, captions, clip_loss
+from fedcore.backbones.pretrain.clip import TEMPLATES, captions, clip_loss
 from fedcore.backbones.registry import build_backbone
 from fedcore.data.arrays import ArrayDataset, DatasetBundle
 from fedcore.data.embedded import DIGIT_WORDS, build_embedded

@@ -11,7 +11,7 @@ import yaml
 from torch import nn
 
 from fedcore.backbones.pretrain import objective_keys, pretrain
-from fedcore.backbones.pretrain_moco import (MoCoV3, build_mlp, contrastive_loss, moco_loss, moco_momentum,
+from fedcore.backbones.pretrain.moco import (MoCoV3, build_mlp, contrastive_loss, moco_loss, moco_momentum,
                                              momentum_update, two_views)
 from fedcore.backbones.registry import build_backbone
 from fedcore.config import ConfigError, _check_backbone_entry

@@ -13,7 +13,8 @@ from fedcore.analysis.clustering import (
 )
 from fedcore.analysis.congruence import MISSING_RUN, NO_KEYS, NOT_CONFIGURED, OK, congruence_table, write_congruence
 from fedcore.analysis.params import NOT_IMPLEMENTED, param_counts, write_param_counts
-from fedcore.analysis.tsne import balanced_subsample, compute_tsne, read_tsne
+from fedcore.analysis.probe_files import read_tsne
+from fedcore.analysis.tsne import balanced_subsample, compute_tsne
 from fedcore.report.fig_probes import tsne_figure
 from fedcore.report.plotting import figure_notes
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from otp_helpers import build, clip, splits  # noqa: F401 (clip, splits: fixtures)
-from fedcore.analysis.transport import FORMAT, pick_images, run_plans
-from fedcore.analysis.tsne import prompt_tsne, read_tsne
+from fedcore.analysis.transport import pick_images, run_plans
+from fedcore.analysis.probe_files import TRANSPORT_FORMAT, read_tsne
+from fedcore.analysis.tsne import prompt_tsne
 from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
 from fedcore.methods.fedotp import GLOBAL, LOCAL, transport_plans
-from fedcore.partition import Partition
+from fedcore.partition.file import Partition
 from fedcore.report.fig_probes import plan_heat, transport_plans_figure, tsne_figure
 from fedcore.report.plotting import figure_notes
 
@@ -50,8 +51,8 @@ def test_plans_use_each_images_own_client_prompts_and_the_figure_marks_missing_r
 
     data = {"images": np.zeros((2, 16, 16, 3), np.uint8), "labels": np.array([0, 1]), "clients": np.array([1, 0]),
             "plans": np.stack([plans, np.full_like(plans, np.nan)]),
-            "meta": {"format": FORMAT, "grid": [4, 4], "runs": ["gamma=0.5", "gamma=1"], "status": ["ok", "missing run"],
-                     "class_names": ["zero", "one"], "arch": "tiny"}}
+            "meta": {"format": TRANSPORT_FORMAT, "grid": [4, 4], "runs": ["gamma=0.5", "gamma=1"],
+                     "status": ["ok", "missing run"], "class_names": ["zero", "one"], "arch": "tiny"}}
     fig = transport_plans_figure(data, {"caption": "Fig. A4"})
     assert len(fig.axes) == 2 * 5 and "gamma=1 (missing run)" in figure_notes(fig)
     heat = plan_heat(plans[0, :, 0], (4, 4))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedcore.backbones.pretrain import pretrain_backbone
+from fedcore.backbones.pretrain.supervised import pretrain_backbone
 from fedcore.backbones.registry import build_backbone
 from fedcore.backbones.resnet import MiniResNet, PixelPadPrompt, PromptedResNet, resnet_stages
 from tests.test_backbones import _tiny_bundle

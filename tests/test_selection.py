@@ -10,13 +10,14 @@ import pytest
 import yaml
 
 from fedcore.config import ConfigError, load_config
+from fedcore.papers import PAPERS
 from fedcore.report.claims import NOT_RUN, Grid, greater
 from fedcore.report.inventory import NOT_SELECTED as RUN_NOT_SELECTED, build_inventory, configured_runs
 from fedcore.report.tables import MISSING_RUN, NOT_SELECTED, OK, build_table
 from fedcore.selection import chosen_outputs, figure_runs, output_runs, table_runs
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_PAPERS = ["sgpt", "fedhpl", "fedotp", "fedpft"]
+ALL_PAPERS = list(PAPERS)
 
 
 def _cfg(root: Path = ROOT, papers=("sgpt",), **top):

@@ -23,9 +23,9 @@ from fedcore.backbones.standin import save_random_weights, standin_note
 from fedcore.config import ConfigError, load_config
 from fedcore.data.arrays import load_bundle
 from fedcore.data.facts import FACTS, SYNTHETIC, SyntheticSize, dataset_facts
-from fedcore.data.registry import build_dataset, check_data, generator_code, is_generated, raw_files
+from fedcore.data.registry import build_dataset, check_data, is_generated, raw_files
 from fedcore.data.synthetic import build_synthetic, synthetic_labels
-from fedcore.partition import class_counts, make_partition
+from fedcore.partition.make import class_counts, make_partition
 from fedcore.report.plotting import figure_notes
 from fedcore.train import weight_records
 
@@ -144,7 +144,6 @@ def test_build_dataset_generates_a_synthetic_analogue_without_raw_files(tmp_path
     bundle = load_bundle(tmp_path / "five.npz")
     assert bundle.meta["name"] == "smoke_five_dataset" and bundle.meta["like"] == "five_dataset"
     assert len(bundle.train) == dataset_facts("smoke_five_dataset").train.size
-    assert generator_code("smoke_five_dataset") == ["synthetic.py", "facts.py"]
     assert check_data(["smoke_five_dataset"], tmp_path, {"files": []}) == []
 
 

@@ -19,7 +19,8 @@ from fedcore.artifacts import build_artifact
 from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
 from fedcore.data.facts import SYNTHETIC, SyntheticSize
 from fedcore.data.synthetic import build_synthetic
-from fedcore.partition import make_partition, num_clients
+from fedcore.partition.make import make_partition
+from fedcore.partition.spec import num_clients
 from fedcore.plan import plan_run
 from fedcore.train import train_run
 

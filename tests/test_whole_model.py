@@ -55,7 +55,7 @@ def test_a_last_batch_of_one_sample_is_skipped_only_when_batchnorm_trains(hetero
     import numpy as np
 
     from fedcore.engine.loop import trains_batchnorm
-    from fedcore.partition import Partition
+    from fedcore.partition.file import Partition
 
     part = Partition.load(hetero_files["partition5"])
     part.train = [t[:17] for t in part.train]

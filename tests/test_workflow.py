@@ -174,6 +174,37 @@ def test_editing_one_method_reruns_only_its_jobs(workspace):
         src.write_text(original)
 
 
+def test_editing_code_a_training_job_imports_reruns_it(workspace):
+    """The engine's evaluation (fedcore/engine/evaluate.py), which only training runs import: every training job
+    reruns, the file among its own updated inputs (code inputs derived from imports), and nothing before them."""
+    src = workspace / "fedcore" / "engine" / "evaluate.py"
+    original = src.read_text()
+    try:
+        src.write_text(original + "\n# an edit\n")
+        out = _snakemake(workspace, "-n")
+        assert out.returncode == 0, out.stderr[-3000:]
+    finally:
+        src.write_text(original)
+    jobs = [(m.group(1), b) for b in re.split(r"^(?=(?:local)?rule \w+:)", out.stdout, flags=re.M)
+            if (m := re.match(r"(?:local)?rule (\w+):", b))]
+    trains = [b for rule, b in jobs if rule == "train"]
+    assert len(trains) == 5 * len(MICRO_METHODS) + 1
+    assert all(re.search(r"reason: Updated input files: fedcore/engine/evaluate\.py", b) for b in trains)
+    assert not {rule for rule, _ in jobs} & TRAINING_RULES
+
+
+def test_editing_code_no_training_job_imports_reruns_no_training(workspace):
+    """A report module (fedcore/report/tables.py): the tables rerun, no training job nor anything before them."""
+    src = workspace / "fedcore" / "report" / "tables.py"
+    original = src.read_text()
+    try:
+        src.write_text(original + "\n# an edit\n")
+        rules = {r for r, _ in _planned_jobs(workspace)}
+    finally:
+        src.write_text(original)
+    assert "table" in rules and not rules & (TRAINING_RULES | {"train"})
+
+
 def test_editing_one_variant_reruns_only_its_runs(workspace):
     path = workspace / "config" / "experiments" / "sgpt.yaml"
     original = path.read_text()

@@ -17,7 +17,10 @@ import pandas as pd
 import torch
 
 from fedcore.analysis.clustering import congruence, kmeans_clusters, relu_l2
+from fedcore.artifacts.select_queries import read_select_queries
+from fedcore.data.arrays import load_bundle
 from fedcore.io import atomic_path
+from fedcore.methods.sgpt import select_groups
 
 OK = "ok"
 MISSING_RUN = "missing run"
@@ -25,16 +28,6 @@ NOT_CONFIGURED = "not configured"
 NO_KEYS = "no keys in final.pt"
 
 COLUMNS = ["value", "method", "seed", "status", "k", "labels", "acc_overlap", "q_kmeans", "congruence"]
-
-
-def select_groups(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Inference-time Select: argmax_g cos(L2(ReLU(q)), L2(k_g)) (SGPT's own function when importable)."""
-    try:
-        from fedcore.methods.sgpt import select_groups as sgpt_select
-    except ImportError:  # the report must not depend on the method module existing
-        q = torch.nn.functional.normalize(torch.relu(queries.float()), dim=-1)
-        return (q @ torch.nn.functional.normalize(keys.float(), dim=-1).T).argmax(dim=1)
-    return sgpt_select(queries, keys)
 
 
 def load_keys(final_path: str | os.PathLike) -> torch.Tensor | None:
@@ -46,8 +39,6 @@ def load_keys(final_path: str | os.PathLike) -> torch.Tensor | None:
 
 def reference_labels(dataset_path: str | os.PathLike) -> tuple[np.ndarray, str]:
     """Train labels to score K-Means against: coarse labels when the dataset has them, else classes."""
-    from fedcore.data.arrays import load_bundle
-
     train = load_bundle(dataset_path).train
     if train.coarse is not None:
         return np.asarray(train.coarse, dtype=np.int64), "coarse"
@@ -88,8 +79,6 @@ def congruence_table(train_queries: np.ndarray, labels: np.ndarray, label_kind: 
 def write_congruence(queries_path: str | os.PathLike, dataset_path: str | os.PathLike, points: list[dict[str, Any]],
                      k: int, seed: int, out_csv: str | os.PathLike) -> pd.DataFrame:
     """Compute the congruence table from the cached Select queries and the runs' final.pt; write it as CSV."""
-    from fedcore.features import read_select_queries
-
     train, _, _ = read_select_queries(queries_path)
     labels, kind = reference_labels(dataset_path)
     table = congruence_table(train, labels, kind, points, k, seed)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from fedcore.analysis.trained_run import check_against_log, load_trained_run, logged_final_accuracy
 from fedcore.engine.sampling import stream_seed
 from fedcore.io import atomic_path
 
@@ -123,8 +124,6 @@ def probe_run(run, identity: dict[str, Any], settings: ProbeSettings,
               logged: dict[int, float] | None = None) -> pd.DataFrame:
     """Every client's probe, origin and match rows of one rebuilt run (``TrainedRun``); with ``logged`` (each
     client's final-round accuracy from the run's metrics), a rebuild that does not reproduce it is an error."""
-    from fedcore.analysis.trained_run import check_against_log
-
     seed = int(identity["seed"])
     rows, origin, n_test = [], {}, {}
     base = {k: identity[k] for k in ("paper", "experiment", "method", "scale")} | {"seed": seed}
@@ -169,8 +168,6 @@ def write_probe(run_args: dict[str, Any], out_csv: str | os.PathLike, metrics_pa
                 settings: dict[str, Any] | None = None, device: str = "auto") -> pd.DataFrame:
     """Rebuild the run (``load_trained_run(**run_args)``), probe every client, write the rows as CSV atomically; with
     ``metrics_path`` (the run's metrics) a rebuild that does not reproduce the logged final accuracy is an error."""
-    from fedcore.analysis.trained_run import load_trained_run, logged_final_accuracy
-
     probe_settings = ProbeSettings.from_dict(settings)  # a bad key fails before the run is loaded
     run = load_trained_run(device=device, **run_args)
     logged = logged_final_accuracy(metrics_path) if metrics_path is not None else None

@@ -15,7 +15,9 @@ import pandas as pd
 import torch
 from torch import nn
 
+from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.io import atomic_path
+from fedcore.methods import is_method, method_class
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +46,6 @@ def uploaded_numbers(spec: dict[str, Any]) -> int:
 
 def _build_method(spec: dict[str, Any]):
     """The method of a ``source: method`` column, built around ``arch``'s prompt adapter."""
-    from fedcore.backbones.registry import build_backbone, prompt_adapter
-    from fedcore.methods import method_class
-
     cls = method_class(spec.get("base", spec["method"]))
     backbone = build_backbone(spec["arch"], input_size=spec.get("input_size"))  # the experiment's, if it sets one
     return cls(prompt_adapter(backbone), int(spec["num_classes"]), dict(spec.get("params") or {}))
@@ -77,10 +76,8 @@ def _implemented(spec: dict[str, Any]) -> bool:
     """Whether a method column's method has code (a missing one is reported, not raised)."""
     if spec["source"] != "method":
         return True
-    from fedcore.methods import METHODS, method_source
-
     base = spec.get("base", spec["method"])
-    return base in METHODS and method_source(base).exists()
+    return is_method(base)
 
 
 def model_counts(spec: dict[str, Any]) -> dict[str, Any]:

@@ -11,26 +11,24 @@ A panel whose method the experiment does not run is kept with status ``not confi
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedcore.io import atomic_path, read_npz
+from fedcore.analysis.linear_probe import feature_maps
+from fedcore.analysis.probe_files import ATTENTION_FORMAT, RUN_TSNE_FORMAT, save_panels
+from fedcore.analysis.trained_run import load_trained_run
+from fedcore.analysis.tsne import tsne_embedding
+from fedcore.data.arrays import load_bundle
 
-TSNE_FORMAT = "fedcore-run-tsne-v1"
-ATTENTION_FORMAT = "fedcore-attention-v1"
 OK, NOT_CONFIGURED, NO_FEATURE = "ok", "not configured", "no such feature"
 
 
 def run_features(run, feature: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(features, labels, client ids) of every client's test images with its own model; None when the run's model
     has no such feature kind."""
-    from fedcore.analysis.linear_probe import feature_maps
-
     feats, labels, clients = [], [], []
     for c in range(run.num_clients):
         maps = feature_maps(run.client_model(c))
@@ -47,9 +45,6 @@ def write_run_tsne(panels: list[dict[str, Any]], perplexity: float, seed: int, o
                    device: str = "auto") -> dict[str, Any]:
     """Embed each panel's features; ``panels``: dicts with label, method, feature and either ``run`` (the keyword
     arguments of ``load_trained_run``) or ``status``. Writes one .npz; returns its meta."""
-    from fedcore.analysis.trained_run import load_trained_run
-    from fedcore.analysis.tsne import tsne_embedding
-
     arrays: dict[str, np.ndarray] = {}
     meta_panels = []
     class_names: list[str] = []
@@ -68,9 +63,9 @@ def write_run_tsne(panels: list[dict[str, Any]], perplexity: float, seed: int, o
         arrays[f"labels_{i}"], arrays[f"clients_{i}"] = labels, clients
         meta_panels.append({**entry, "status": OK, "clients": run.num_clients, "points": int(len(labels))})
         class_names = class_names or _class_names(p["run"]["dataset_path"])
-    meta = {"format": TSNE_FORMAT, "panels": meta_panels, "perplexity": float(perplexity), "seed": int(seed),
+    meta = {"format": RUN_TSNE_FORMAT, "panels": meta_panels, "perplexity": float(perplexity), "seed": int(seed),
             "class_names": class_names}
-    _save(out_path, arrays, meta)
+    save_panels(out_path, arrays, meta)
     return meta
 
 
@@ -94,8 +89,6 @@ def write_attention(panels: list[dict[str, Any]], client: int, samples: int, out
                     device: str = "auto") -> dict[str, Any]:
     """Each panel's attention weights (see ``attention_weights``); panels as in ``write_run_tsne`` with ``prompts``
     instead of ``feature``. Writes one .npz; returns its meta."""
-    from fedcore.analysis.trained_run import load_trained_run
-
     arrays: dict[str, np.ndarray] = {}
     meta_panels = []
     for i, p in enumerate(panels):
@@ -107,26 +100,9 @@ def write_attention(panels: list[dict[str, Any]], client: int, samples: int, out
         arrays[f"weights_{i}"], arrays[f"labels_{i}"] = attention_weights(run, client, p["prompts"], samples)
         meta_panels.append({**entry, "status": OK})
     meta = {"format": ATTENTION_FORMAT, "panels": meta_panels, "client": int(client), "samples": int(samples)}
-    _save(out_path, arrays, meta)
+    save_panels(out_path, arrays, meta)
     return meta
 
 
 def _class_names(dataset_path: str | os.PathLike) -> list[str]:
-    from fedcore.data.arrays import load_bundle
-
     return [str(c) for c in load_bundle(dataset_path).meta.get("classes") or []]
-
-
-def _save(out_path: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-    with atomic_path(Path(out_path), suffix=".npz") as tmp:
-        with open(tmp, "wb") as f:
-            np.savez(f, meta=json.dumps(meta), **arrays)
-
-
-def read_panels(path: str | os.PathLike, fmt: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(meta, arrays) of a probe file of format ``fmt``, with a clear error for a wrong file."""
-    z = read_npz(path, "run_tsne" if fmt == TSNE_FORMAT else "attention")
-    meta = json.loads(str(z["meta"])) if "meta" in z else {}
-    if meta.get("format") != fmt:
-        raise ValueError(f"{path} is not a {fmt} file (format {meta.get('format')!r})")
-    return meta, {k: v for k, v in z.items() if k != "meta"}

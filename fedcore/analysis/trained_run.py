@@ -20,10 +20,12 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
+from fedcore.engine.data import Batch, DeviceSplit, InputPipeline, iterate_batches
 from fedcore.engine.loop import to_device
 from fedcore.engine.optim import autocast_for
 from fedcore.engine.roles import Method, Payload
+from fedcore.runtime.device import pick_device
+from fedcore.train import RunFiles, build_run
 
 
 @dataclass
@@ -72,8 +74,6 @@ class TrainedRun:
 
 def _batch(x: Tensor):
     """A Batch holding only images (evaluator.predict reads ``x``)."""
-    from fedcore.engine.data import Batch
-
     return Batch(x, torch.zeros(len(x), dtype=torch.long, device=x.device), None, {})
 
 
@@ -81,8 +81,6 @@ def load_trained_run(params: dict[str, Any], identity: dict[str, Any], dataset_p
                      partition_path: str | os.PathLike, arch: str, weights: str | os.PathLike | None,
                      final_path: str | os.PathLike, device: str = "auto", sha256: str | None = None) -> TrainedRun:
     """Rebuild the run of ``params`` (Resolved.train_params) and load its final states from ``final_path``."""
-    from fedcore.train import RunFiles, build_run, pick_device
-
     where = f"run {identity.get('experiment')}/{identity.get('method')}/seed{identity.get('seed')}"
     if not isinstance(arch, str):
         raise ValueError(f"{where}: the probes rebuild single-backbone runs only, got backbones {arch}")

@@ -18,9 +18,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcore.io import atomic_path, read_npz
+from fedcore.analysis.probe_files import TRANSPORT_FORMAT
+from fedcore.backbones.clip import clip_classnames
+from fedcore.backbones.registry import build_backbone, prompt_adapter
+from fedcore.backbones.vit import backbone_info
+from fedcore.data.arrays import load_bundle
+from fedcore.engine.data import InputPipeline
+from fedcore.engine.roles import load_state
+from fedcore.io import atomic_path
+from fedcore.methods import method_class
+from fedcore.methods.fedotp import transport_plans
+from fedcore.partition.class_order import prompt_class_names
+from fedcore.partition.file import Partition
+from fedcore.runtime.device import pick_device
 
-FORMAT = "fedcore-transport-plans-v1"
 OK = "ok"
 MISSING_RUN = "missing run"
 
@@ -62,9 +73,6 @@ def client_prompts(final: dict, cid: int) -> dict[str, torch.Tensor]:
 def run_plans(method: Any, final: dict, tokens: torch.Tensor, labels: torch.Tensor, clients: list[int]
               ) -> np.ndarray:
     """(n, M, 2) plans of each image (tokens (n, 1+M, D)) to its class's prompts of its client, from ``final``."""
-    from fedcore.engine.roles import load_state
-    from fedcore.methods.fedotp import transport_plans
-
     model = method.model
     out = []
     for i, cid in enumerate(clients):
@@ -78,16 +86,6 @@ def compute_transport_plans(dataset_path: str | os.PathLike, partition_path: str
                             out_path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> None:
     """Plans of the picked test images for every run of ``runs`` (dicts: label, method (base), params, and
     ``path`` to final.pt or ``status``), saved as .npz with the images and the runs' statuses."""
-    from fedcore.backbones.clip import clip_classnames
-    from fedcore.backbones.registry import build_backbone, prompt_adapter
-    from fedcore.backbones.vit import backbone_info
-    from fedcore.data.arrays import load_bundle
-    from fedcore.engine.data import InputPipeline
-    from fedcore.methods import method_class
-    from fedcore.partition import Partition
-    from fedcore.partition_fedotp import prompt_class_names
-    from fedcore.train import pick_device
-
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)
@@ -122,20 +120,10 @@ def compute_transport_plans(dataset_path: str | os.PathLike, partition_path: str
         final = torch.load(path, map_location=dev, weights_only=True)
         plans.append(run_plans(method, final, tokens, labels, cids))
         statuses.append(OK)
-    meta = {"format": FORMAT, "arch": arch, "grid": [side, side], "runs": [r["label"] for r in runs],
+    meta = {"format": TRANSPORT_FORMAT, "arch": arch, "grid": [side, side], "runs": [r["label"] for r in runs],
             "methods": [r.get("variant", r["method"]) for r in runs], "status": statuses,
             "class_names": [clip_classnames(bundle.meta)[int(y)] for y in labels.tolist()]}
     with atomic_path(Path(out_path), suffix=".npz") as tmp:
         with open(tmp, "wb") as f:
             np.savez(f, images=bundle.test.x[idx], labels=bundle.test.y[idx], index=idx,
                      clients=np.asarray(cids, dtype=np.int64), plans=np.stack(plans), meta=json.dumps(meta))
-
-
-def read_transport_plans(path: str | os.PathLike) -> dict[str, Any]:
-    """The probe's images, labels, clients, plans (runs, n, M, 2) and meta, with a clear error for a wrong file."""
-    z = read_npz(path, "transport_plans")
-    meta = json.loads(str(z["meta"])) if "meta" in z else {}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a {FORMAT} file (format {meta.get('format')!r})")
-    return {"images": z["images"], "labels": z["labels"], "clients": z["clients"], "plans": z["plans"],
-            "meta": meta}

@@ -1,6 +1,6 @@
 """SGPT Fig. 5 probe: t-SNE maps of frozen CLS features after several blocks, on a class-balanced subsample.
 
-The backbone is the frozen, un-prompted pretrained ViT (``fedcore.features.layer_features``: final-norm CLS
+The backbone is the frozen, un-prompted pretrained ViT (``artifacts.select_queries.layer_features``: final-norm CLS
 after each requested block, 0-indexed). Samples are balanced over the coarse labels (CIFAR-100's 20
 superclasses; the dataset's classes when it has none). The embedding is computed here, once, so the
 figure only draws it.
@@ -14,9 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from fedcore.io import atomic_path, read_npz
+from fedcore.analysis.probe_files import TSNE_FORMAT
+from fedcore.artifacts.select_queries import layer_features
+from fedcore.backbones.prompted import PromptedViT, attention_backend
+from fedcore.backbones.vit import backbone_info, build_vit
+from fedcore.data.arrays import load_bundle
+from fedcore.engine.data import DeviceSplit, InputPipeline
+from fedcore.io import atomic_path
+from fedcore.partition.file import Partition
+from fedcore.runtime.device import pick_device
 
-FORMAT = "fedcore-tsne-v1"
 
 
 def balanced_subsample(labels: np.ndarray, per_class: int, seed: int) -> np.ndarray:
@@ -44,13 +51,6 @@ def compute_tsne(dataset_path: str | os.PathLike, arch: str, weights: str | os.P
     """Features of a class-balanced subsample after each configured block, embedded by t-SNE, saved as .npz."""
     import torch
 
-    from fedcore.backbones.prompted import PromptedViT, attention_backend
-    from fedcore.backbones.vit import backbone_info, build_vit
-    from fedcore.data.arrays import load_bundle
-    from fedcore.engine.data import DeviceSplit, InputPipeline
-    from fedcore.features import layer_features
-    from fedcore.train import pick_device
-
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)
@@ -77,24 +77,14 @@ def compute_tsne(dataset_path: str | os.PathLike, arch: str, weights: str | os.P
                                indices=torch.from_numpy(idx).to(dev))
     arrays = {f"emb_{b}": tsne_embedding(feats[b], float(fig_cfg.get("perplexity", 30)), seed) for b in blocks}
     counts = np.bincount(labels[idx], minlength=int(labels.max(initial=-1)) + 1)
-    meta = {"format": FORMAT, "arch": arch, "depth": depth, "split": fig_cfg.get("split", "test"), "label_kind": kind,
-            "label_names": list(names), "per_class": int(fig_cfg["per_class"]), "per_class_drawn": counts.tolist(),
+    meta = {"format": TSNE_FORMAT, "arch": arch, "depth": depth, "split": fig_cfg.get("split", "test"),
+            "label_kind": kind, "label_names": list(names), "per_class": int(fig_cfg["per_class"]),
+            "per_class_drawn": counts.tolist(),
             "perplexity": float(fig_cfg.get("perplexity", 30)), "seed": seed}
     with atomic_path(Path(out_path), suffix=".npz") as tmp:
         with open(tmp, "wb") as f:
             np.savez(f, blocks=np.asarray(blocks, dtype=np.int64), labels=labels[idx], index=idx,
                      meta=json.dumps(meta), **arrays)
-
-
-def read_tsne(path: str | os.PathLike) -> dict[str, Any]:
-    """The probe's blocks, labels, per-block embeddings and meta, with a clear error for a wrong file."""
-    z = read_npz(path, "tsne_embedding")
-    meta = json.loads(str(z["meta"])) if "meta" in z else {}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a {FORMAT} file (format {meta.get('format')!r})")
-    blocks = [int(b) for b in z["blocks"]]
-    return {"blocks": blocks, "labels": z["labels"], "meta": meta,
-            "embeddings": {b: z[f"emb_{b}"] for b in blocks if f"emb_{b}" in z}}
 
 
 def client_coarse_labels(coarse: np.ndarray, train_parts: list[np.ndarray]) -> np.ndarray:
@@ -114,9 +104,6 @@ def prompt_tsne(final_path: str | os.PathLike, dataset_path: str | os.PathLike, 
     flattened), labelled by the client's coarse class; written in this module's format (one map, index 0)."""
     import torch
 
-    from fedcore.data.arrays import load_bundle
-    from fedcore.partition import Partition
-
     bundle = load_bundle(dataset_path)
     if bundle.train.coarse is None:
         raise ValueError(f"{dataset_path} has no coarse labels: the prompt t-SNE colours clients by coarse class")
@@ -132,7 +119,7 @@ def prompt_tsne(final_path: str | os.PathLike, dataset_path: str | os.PathLike, 
     seed = int(fig_cfg.get("seed", 0))
     perplexity = float(fig_cfg.get("perplexity", 30))
     emb = tsne_embedding(feats, perplexity, seed)
-    meta = {"format": FORMAT, "arch": f"final {key} ({feats.shape[1]}-d)", "split": "",
+    meta = {"format": TSNE_FORMAT, "arch": f"final {key} ({feats.shape[1]}-d)", "split": "",
             "label_kind": "coarse", "label_names": list(bundle.meta.get("coarse_classes") or []),
             "perplexity": min(perplexity, (len(feats) - 1) / 3.0), "seed": seed, "panel_titles": [key],
             "unit": "clients"}

@@ -24,6 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedcore.backbones.clip import PromptedCLIP
+from fedcore.backbones.plain_vit import PlainViT, is_vit
+from fedcore.backbones.prompted import PromptedViT
+from fedcore.backbones.resnet import MiniResNet, PromptedResNet, StemResNet, resnet_feature_dim, resnet_stages
+from fedcore.data.download import file_digests
 from fedcore.io import rebuild_hint, unreadable
 
 FAMILIES = ("vit", "resnet", "clip")
@@ -145,7 +150,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "vit_pfedpt": _vit_scratch(32, dim=128, depth=8, heads=8, mlp_ratio=2.0),
     "vit_pfedpt_mini": _vit_scratch(16, dim=32, depth=4, heads=2, mlp_ratio=2.0),
     # FedOTP's mini CLIP: vit_mini's image tower (width 64, 4 blocks, 4 heads of 16) and a 2-block text tower
-    # of the same width, pretrained contrastively on the held-out digits (pretrain_clip.py).
+    # of the same width, pretrained contrastively on the held-out digits (pretrain/clip.py).
     "clip_mini": _clip_mini(64, dict(width=64, layers=4, head_width=16), dict(width=64, heads=4, layers=2)),
     # FedPFT's extractors, trained from scratch by every FedPFT method (spec fedpft §1.2): ResNet-8 (CIFAR-10) and
     # ResNet-10 (CIFAR-100, Tiny-ImageNet) with torchvision's 7x7 stem; trunk 1,232,704 / 4,905,792 parameters.
@@ -172,10 +177,10 @@ ARCH_SPECS: dict[str, ArchSpec] = {
 
 _DIGITS = "pretrained by the pipeline on the digits bundle's held-out pretrain split (rule pretrain_backbone)"
 _DIGITS_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS, rule="pretrain_backbone")
-# the same split without its labels, by MoCo v3 (pretrain_moco.py): the self-supervised twins of the tiny ViTs
+# the same split without its labels, by MoCo v3 (pretrain/moco.py): the self-supervised twins of the tiny ViTs
 _DIGITS_MOCO_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS.replace("pretrained", "self-supervised (MoCo v3)"),
                                  rule="pretrain_backbone")
-# the same split with captions made from its labels and styles, by CLIP's contrastive objective (pretrain_clip.py)
+# the same split with captions made from its labels and styles, by CLIP's contrastive objective (pretrain/clip.py)
 _DIGITS_CLIP_CFG = PretrainedCfg(16, **IN21K_NORM, source=_DIGITS.replace("pretrained", "image-text pretrained (CLIP)"),
                                  rule="pretrain_backbone")
 
@@ -283,8 +288,6 @@ def check_sha256(path: Path, arch: str, sha256: str | None) -> None:
     """
     if sha256 is None:
         return
-    from fedcore.data.download import file_digests
-
     actual = file_digests(path, ("sha256",))["sha256"]
     entry = f"the `sha256:` of the backbone entry with `weights: {path.name}` (arch {arch}) in config/backbones.yaml"
     if sha256 == UNPINNED:
@@ -455,22 +458,16 @@ def _build_torchvision(arch: str, spec: ArchSpec, path: Path | None, cfg: Pretra
 
 def _fedcore_vit(**kwargs: Any) -> nn.Module:
     """fedcore's timm-identical ViT (plain_vit.PlainViT) built from our kwargs, headless: no timm import."""
-    from fedcore.backbones.plain_vit import PlainViT
-
     return PlainViT(**kwargs, num_classes=0)
 
 
 def _fedcore_resnet(**kwargs: Any) -> nn.Module:
     """fedcore's tiny headless ResNet."""
-    from fedcore.backbones.resnet import MiniResNet
-
     return MiniResNet(**kwargs)
 
 
 def _fedcore_stem_resnet(**kwargs: Any) -> nn.Module:
     """fedcore's headless ResNet with torchvision's stem and any number of stages (FedPFT)."""
-    from fedcore.backbones.resnet import StemResNet
-
     return StemResNet(**kwargs)
 
 
@@ -574,9 +571,6 @@ def model_family(model: nn.Module) -> str:
     arch = getattr(model, "fedcore_arch", None)
     if arch in ARCH_SPECS:
         return ARCH_SPECS[arch].family
-    from fedcore.backbones.plain_vit import is_vit
-    from fedcore.backbones.resnet import resnet_stages
-
     if is_vit(model):
         return "vit"
     if resnet_stages(model):
@@ -593,8 +587,6 @@ def model_facts(model: nn.Module) -> dict:
         return dict(family=family, depth=len(model.blocks), dim=int(model.embed_dim),
                     patch_size=int(model.patch_embed.patch_size[0]))
     if family == "resnet":
-        from fedcore.backbones.resnet import resnet_feature_dim, resnet_stages
-
         return dict(family=family, depth=len(resnet_stages(model)), dim=resnet_feature_dim(model), patch_size=None)
     visual = model.visual
     patch = visual.patch_size if hasattr(visual, "patch_size") else None
@@ -607,13 +599,7 @@ def prompt_adapter(model: nn.Module) -> nn.Module:
     PromptedCLIP (clip: learnable text context, patch tokens for FedOTP's OT)."""
     family = model_family(model)
     if family == "vit":
-        from fedcore.backbones.prompted import PromptedViT
-
         return PromptedViT(model)
     if family == "resnet":
-        from fedcore.backbones.resnet import PromptedResNet
-
         return PromptedResNet(model)
-    from fedcore.backbones.clip import PromptedCLIP
-
     return PromptedCLIP(model)

@@ -21,7 +21,7 @@ stratified by class and with near-equal style sizes; ``domain`` is the style ind
 
 ``meta["clip_names"]`` names each class for a CLIP text prompt ("zero" .. "nine"; "<style> <word>" where the
 style is part of the class), ``meta["pretrain_clip_names"]`` the pretrain split's labels: FedOTP's prompts and
-the tiny CLIP's captions (fedcore/backbones/pretrain_clip.py) read them; images and labels do not change.
+the tiny CLIP's captions (fedcore/backbones/pretrain/clip.py) read them; images and labels do not change.
 """
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ SYNTHETIC: dict[str, SyntheticSize] = {
     # class is shared by 5 clients in each split)
     "smoke_cifar100": SyntheticSize("cifar100", 20, 8),
     # SGPT's CIFAR-100: s = 50 classes per client over 100 clients shares every class among 50 clients; no share is
-    # empty only with >= 75 images of every class in each split (fedcore/partition.py, classes_per_client)
+    # empty only with >= 75 images of every class in each split (fedcore/partition/schemes/label_skew.py, classes_per_client)
     "smoke_cifar100_large": SyntheticSize("cifar100", 75, 75),
     "smoke_tiny_imagenet": SyntheticSize("tiny_imagenet", 2, 1),
     # per class and domain: SGPT's 4 clients per domain (Five-dataset); 5 % of DomainNet's smallest domain >= 1;

@@ -18,10 +18,11 @@ import yaml
 
 from fedcore.data import sources, sources_clip
 from fedcore.data.arrays import DatasetBundle, save_bundle
-from fedcore.data.download import (ChecksumError, ChecksumNotPinned, DataError, DownloadError,
-                                   ManualDataMissing, download, extract, file_digests, verify_file)
+from fedcore.data.download import (ChecksumError, ChecksumNotPinned, DataError, DownloadError, ManualDataMissing,
+                                   download, extract, file_digests, verify_file)
 from fedcore.data.embedded import EMBEDDED_DATASETS, PUBLIC_DATASETS, build_embedded
 from fedcore.data.facts import SYNTHETIC
+from fedcore.data.synthetic import build_synthetic
 from fedcore.io import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -50,16 +51,6 @@ def is_generated(name: str) -> bool:
     """True for the datasets generated in-process, without raw files: the embedded digits and the synthetic
     analogues (scale smoke)."""
     return name in EMBEDDED or name in SYNTHETIC
-
-
-def generator_code(name: str) -> list[str]:
-    """The fedcore/data modules that generate dataset `name` (its bundle is rebuilt when they change); none for a
-    dataset converted from raw files."""
-    if is_embedded(name):
-        return ["embedded.py"]
-    if name in SYNTHETIC:  # the sizes and shapes come from the static facts
-        return ["synthetic.py", "facts.py"]
-    return []
 
 
 def _check_name(name: str) -> None:
@@ -293,8 +284,6 @@ def build_dataset(name: str, out_path: str | Path, resources_dir: str | Path | N
     if is_embedded(name):
         bundle = build_embedded(name)
     elif name in SYNTHETIC:
-        from fedcore.data.synthetic import build_synthetic
-
         bundle = build_synthetic(name)
     else:
         if resources_dir is None or checksums is None:
@@ -314,7 +303,7 @@ def build_dataset(name: str, out_path: str | Path, resources_dir: str | Path | N
 
 
 __all__ = [
-    "EMBEDDED", "PAPER", "DATASETS", "is_embedded", "is_generated", "generator_code", "raw_files", "fetch_raw", "build_dataset", "check_data",
+    "EMBEDDED", "PAPER", "DATASETS", "is_embedded", "is_generated", "raw_files", "fetch_raw", "build_dataset", "check_data",
     "load_checksums", "validate_checksums", "ChecksumsConfigError", "ChecksumError", "ChecksumNotPinned",
     "ManualDataMissing", "DownloadError", "DataError",
 ]

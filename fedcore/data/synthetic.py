@@ -18,6 +18,7 @@ import zlib
 
 import numpy as np
 
+from fedcore.data import sources
 from fedcore.data.arrays import ArrayDataset, DatasetBundle
 from fedcore.data.facts import DOMAIN_OWNS_CLASSES, FACTS, SYNTHETIC, SyntheticSize
 
@@ -37,8 +38,6 @@ def is_synthetic(name: str) -> bool:
 
 def _names(like: str) -> tuple[list[str], list[str]]:
     """Class and domain names: the paper dataset's own where they are static, else ``class <k>``/``domain <d>``."""
-    from fedcore.data import sources
-
     facts = FACTS[like]
     static = {"office_caltech10": (sources.OFFICE_CLASSES, sources.OFFICE_DOMAINS),
               "domainnet": (sources.DOMAINNET_CLASSES, sources.DOMAINNET_DOMAINS),

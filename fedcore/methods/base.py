@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedcore.backbones.prompted import PromptedViT, init_prompts
+from fedcore.backbones.registry import build_backbone
 from fedcore.constraints import Choice, Constraint, Int, Number, RunFacts, Violation
 from fedcore.engine.data import Batch
 from fedcore.engine.onepass import Owners
@@ -142,8 +143,6 @@ def raw_backbone(adapter: nn.Module) -> nn.Module:
 def random_weights(net: nn.Module) -> None:
     """Overwrite ``net``'s weights in place with a fresh draw of its architecture's own initialisation (the
     registry's builder, weights=None), from the global generator (the engine seeds it before ``build``)."""
-    from fedcore.backbones.registry import build_backbone
-
     arch, tag = getattr(net, "fedcore_arch", None), getattr(net, "fedcore_tag", None)
     if arch is None:
         raise ValueError(f"{type(net).__name__} was not built by fedcore.backbones.registry: cannot redraw its weights")

@@ -1,10 +1,12 @@
 """CoOp as FedOTP's local-training baseline: one personal prompt per client, no communication."""
 from __future__ import annotations
 
+from fedcore.methods import register_method
 from fedcore.methods.base import EveryClient
 from fedcore.methods.clip_prompt import ClipPromptMethod, PersonalClipEvaluator
 
 
+@register_method
 class CoOp(ClipPromptMethod):
     """CoOp (Zhou et al., IJCV 2022) trained locally (spec fedotp §4.2): each client learns its own 16-token unified
     context (N(0, 0.02^2), the same draw on every client) with CE on CLIP's CLS cosine x logit scale, on its own

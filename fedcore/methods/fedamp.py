@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from fedcore.constraints import Choice, Constraint, Int, Number
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import Client, FitResult, Payload, RoundInfo, Strategy
+from fedcore.methods import register_method
 from fedcore.methods.base import PersonalEvaluator, WholeModelMethod
 from fedcore.methods.fedprox import proximal_term
 
@@ -147,6 +148,7 @@ class OwnModelEvaluator(PersonalEvaluator):
             self.method.client.start(model, cid, client_state or {}, {})
 
 
+@register_method
 class FedAMP(WholeModelMethod):
     """FedAMP (Huang, Chu, Zhou, Wang, Liu, Pei, Zhang; "Personalized Cross-Silo Federated Learning on Non-IID
     Data", AAAI 2021) on the entire model.

@@ -2,9 +2,11 @@
 sample count and the global model is evaluated. Every role is the engine's default."""
 from __future__ import annotations
 
+from fedcore.methods import register_method
 from fedcore.methods.base import WholeModelMethod
 
 
+@register_method
 class FedAvg(WholeModelMethod):
     """Entire-model FedAvg, from the pretrained backbone or a random draw (``init``)."""
 

@@ -7,6 +7,7 @@ from torch import nn
 from fedcore.constraints import Int
 from fedcore.engine.optim import ClientData, TrainSettings, only_training, run_epochs
 from fedcore.engine.roles import Client, Evaluator, Payload, load_state
+from fedcore.methods import register_method
 from fedcore.methods.base import WholeModelMethod
 
 
@@ -63,6 +64,7 @@ class FineTunedEvaluator(Evaluator):
             model.train(mode)
 
 
+@register_method
 class FedBABU(WholeModelMethod):
     """FedBABU (Oh, Kim, Yun; ICLR 2022) on the entire model.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from fedcore.methods import register_method
 from fedcore.methods.base import BatchableClient, PersonalEvaluator, WholeModelMethod
 
 
@@ -33,6 +34,7 @@ class FedBNClient(BatchableClient):
         return [k for k in keys if k in local]
 
 
+@register_method
 class FedBN(WholeModelMethod):
     """FedBN (Li, Jiang, Zhang, Kamp, Dou; ICLR 2021) on the entire model.
 

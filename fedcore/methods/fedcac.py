@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from fedcore.constraints import Int, Number
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import Client, FitResult, Payload, RoundInfo, State, Strategy, load_state, module_state
+from fedcore.methods import register_method
 from fedcore.methods.base import PersonalEvaluator, WholeModelMethod
 
 
@@ -132,6 +133,7 @@ def customised_model(uploads: list[State]) -> State:
     return {k: torch.stack([u[k].double() for u in uploads]).mean(0).to(uploads[0][k].dtype) for k in uploads[0]}
 
 
+@register_method
 class FedCAC(WholeModelMethod):
     """FedCAC (Wu, Liu, Niu, Zhu, Tang; "Bold but Cautious: Unlocking the Potential of Personalized Federated
     Learning through Cautiously Aggressive Collaboration", ICCV 2023; official code FLAIR-Community/Fling's

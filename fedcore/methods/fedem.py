@@ -11,6 +11,7 @@ from fedcore.backbones.prompted import PromptedViT, init_prompts
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, run_epochs
 from fedcore.engine.roles import Client, Method, Payload
+from fedcore.methods import register_method
 from fedcore.methods.base import PersonalEvaluator
 
 
@@ -126,6 +127,7 @@ class FedEMEvaluator(PersonalEvaluator):
         return mixture_log_probs(logits.float(), model.pi)
 
 
+@register_method
 class FedEM(Method):
     """FedEM on a frozen ViT: ``components`` shared VPT-shallow prompt+head models, personal mixture weights.
 

@@ -63,6 +63,7 @@ from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, load_state, module_state
 from fedcore.engine.sampling import stream_seed
+from fedcore.methods import register_method
 from fedcore.methods.global_head import GlobalHeadClient, GlobalHeadMethod, head_keys
 
 TEACHER_WEIGHTS = ("labels", "samples")
@@ -212,6 +213,7 @@ class FedGenServer(Strategy):
                 "label_counts": counts, "generator_trained": torch.tensor(True)}
 
 
+@register_method
 class FedGen(GlobalHeadMethod):
     """Heterogeneous whole models, a global head, and a server generator that regularises the heads."""
 

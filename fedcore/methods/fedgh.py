@@ -42,6 +42,7 @@ from fedcore.constraints import Int, Number
 from fedcore.engine.optim import ClientData, autocast_for
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy
 from fedcore.engine.sampling import stream_seed
+from fedcore.methods import register_method
 from fedcore.methods.base import per_class_sums
 from fedcore.methods.global_head import GlobalHeadClient, GlobalHeadMethod
 
@@ -116,6 +117,7 @@ class FedGHServer(Strategy):
         return {**state, "model": new}
 
 
+@register_method
 class FedGH(GlobalHeadMethod):
     """Heterogeneous whole models; the server trains one global head on per-class mean representations."""
 

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from fedcore.constraints import Choice, Number
 from fedcore.engine.optim import ClientData
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy
+from fedcore.methods import register_method
 from fedcore.methods.base import (TEACHER, TEACHER_MASK, DistillClient, PersonalEvaluator, WholeModelMethod,
                                   per_class_sums, with_teacher)
 
@@ -67,6 +68,7 @@ class FedHEServer(Strategy):
         return {"logits": logits, "mask": mask}
 
 
+@register_method
 class FedHE(WholeModelMethod):
     """FedHE (Chan & Ngai, "FedHe: Heterogeneous Models and Communication-Efficient Federated Learning", MSN 2021).
 

@@ -67,6 +67,7 @@ from fedcore.engine.batching import epochs_of_loss
 from fedcore.engine.optim import ClientData
 from fedcore.engine.roles import (FitResult, Method, Payload, RoundContext, RoundInfo, State, Strategy, Together,
                                   load_state, module_state)
+from fedcore.methods import register_method
 from fedcore.methods.base import (TEACHER, TEACHER_MASK, DistillClient, PersonalEvaluator, PromptClassifier,
                                   per_class_sums, prompt_one_pass, with_teacher)
 
@@ -255,6 +256,7 @@ class FedHPLEvaluator(PersonalEvaluator):
         return rows
 
 
+@register_method
 class FedHPL(Method):
     """Prompts + head on each client's frozen (possibly different) backbone; per-class logits distilled."""
 

@@ -17,6 +17,7 @@ from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import (Client, ExtraData, FitResult, Payload, RoundInfo, Strategy,
                                   module_state)
 from fedcore.engine.sampling import sample_clients, stream_seed
+from fedcore.methods import register_method
 from fedcore.methods.base import PersonalEvaluator, WholeModelMethod
 
 PUBLIC = "public"                 # the role of the extra dataset (Method.extra_datasets)
@@ -173,6 +174,7 @@ class FedMDServer(Strategy):
                 "consensus_index": index.clone()}
 
 
+@register_method
 class FedMD(WholeModelMethod):
     """FedMD (Li & Wang, "FedMD: Heterogenous Federated Learning via Model Distillation", 2019).
 

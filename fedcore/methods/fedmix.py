@@ -9,6 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fedcore.constraints import Int, Number
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import Client, FitResult, Payload, Strategy
+from fedcore.methods import register_method
 from fedcore.methods.base import PromptMethod
 
 
@@ -90,6 +91,7 @@ class FedMixServer(Strategy):
         return {"model": state["model"], "fedmix_x": state["fedmix_x"], "fedmix_y": state["fedmix_y"]}
 
 
+@register_method
 class FedMix(PromptMethod):
     """FedMix on a frozen ViT: VPT-shallow prompts + linear head, trained with the approximated global-Mixup loss.
 

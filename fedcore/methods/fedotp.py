@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 from fedcore.constraints import Choice, Int, Number
 from fedcore.engine.onepass import Owners
+from fedcore.methods import register_method
 from fedcore.methods.clip_prompt import ClipPromptMethod, ContextPrompts, PersonalClipEvaluator, fp32
 from fedcore.methods.ot import STOPS, sinkhorn, unbalanced_ot
 
@@ -69,6 +70,7 @@ class OTPrompts(ContextPrompts):
         return ot_logits(patches, text, self.logit_scale, self.params)
 
 
+@register_method
 class FedOTP(ClipPromptMethod):
     """FedOTP (spec fedotp §1.2-1.12, Algorithm 2): per client [P_g, P_l,i], two 16-token unified contexts (CSC=False,
     class token at the end) over a frozen CLIP; logits = logit_scale * sum(T * sim) with sim (M patches x 2 prompts)

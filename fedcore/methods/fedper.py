@@ -2,6 +2,7 @@
 (the extractor with its BatchNorm statistics) is averaged."""
 from __future__ import annotations
 
+from fedcore.methods import register_method
 from fedcore.methods.base import BatchableClient, PersonalEvaluator, WholeModelMethod
 
 
@@ -22,6 +23,7 @@ class FedPerClient(BatchableClient):
         return [k for k in keys if is_head(k)]
 
 
+@register_method
 class FedPer(WholeModelMethod):
     """FedPer (Arivazhagan, Aggarwal, Singh, Choudhary; arXiv 1912.00818) on the entire model.
 

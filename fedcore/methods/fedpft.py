@@ -66,6 +66,7 @@ from fedcore.engine.roles import (Client, FitResult, Method, Payload, RoundInfo,
                                   mean_stats, module_state)
 from fedcore.engine.sampling import stream_seed
 from fedcore.engine.together import Phase as StepKind, Trained, train_phases_together
+from fedcore.methods import register_method
 from fedcore.methods.base import INITS, PersonalEvaluator, random_weights, raw_backbone
 from fedcore.methods.pft_modules import (KEY_PARTS, PFTModel, Views, enqueue, enqueued, fp32, momentum_update,
                                         moco_loss)
@@ -399,6 +400,7 @@ class FedPFTStrategy(Strategy):
         return mean_stats(results)
 
 
+@register_method
 class FedPFT(Method):
     """FedPFT and its variants (see the module docstring)."""
 

@@ -10,6 +10,7 @@ from fedcore.engine.batching import OnePass, epochs_of_loss
 from fedcore.engine.onepass import AfterStep
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer
 from fedcore.engine.roles import Client, FitResult, Payload, RoundInfo, Strategy, Together
+from fedcore.methods import register_method
 from fedcore.methods.base import PromptMethod, ce_losses
 
 #: eigenvalues at or below this fraction of the largest are exact zeros up to float64 rounding
@@ -112,6 +113,7 @@ class FedPRClient(Client):
         return {"loss": float(total) / count if count else float("nan")}, None
 
 
+@register_method
 class FedPR(PromptMethod):
     """FedPR on a frozen ViT: VPT-deep prompts (1 token per block) + head; prompt updates projected onto the
     approximate null space of the current global prompts.

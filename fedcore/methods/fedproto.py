@@ -11,6 +11,7 @@ from fedcore.constraints import Choice
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, module_state
+from fedcore.methods import register_method
 from fedcore.methods.base import PROTO_MASK, PROTOS, PrototypeClient, PrototypeMethod, prototype_uplink
 
 WEIGHTINGS = ("clients", "samples")
@@ -80,6 +81,7 @@ class FedProtoServer(Strategy):
         return {"protos": protos, "mask": mask}
 
 
+@register_method
 class FedProto(PrototypeMethod):
     """FedProto (Tan, Long, Liu, Zhou, Lu, Jiang, Zhang; AAAI 2022), as HtFLlib runs it.
 

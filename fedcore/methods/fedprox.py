@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from fedcore.constraints import Number
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import Client, Payload
+from fedcore.methods import register_method
 from fedcore.methods.base import WholeModelMethod
 
 
@@ -36,6 +37,7 @@ class ProximalClient(Client):
                           lambda b: self.loss(model, b) + proximal_term(params, anchor, mu), opt_state)
 
 
+@register_method
 class FedProx(WholeModelMethod):
     """FedProx (Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith; MLSys 2020) on the entire model.
 

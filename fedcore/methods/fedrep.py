@@ -7,6 +7,7 @@ from torch import nn
 from fedcore.constraints import Int
 from fedcore.engine.optim import ClientData, TrainSettings, only_training, run_epochs
 from fedcore.engine.roles import Client, Payload
+from fedcore.methods import register_method
 from fedcore.methods.base import PersonalEvaluator
 from fedcore.methods.representation import PromptsOrBackbone
 
@@ -53,6 +54,7 @@ class FedRepClient(Client):
         return {"loss": loss, "head_loss": head["loss"], "body_loss": body["loss"]}, None
 
 
+@register_method
 class FedRep(PromptsOrBackbone):
     """FedRep (Collins, Hassani, Mokhtari, Shakkottai; ICML 2021): a shared representation and personal heads.
 

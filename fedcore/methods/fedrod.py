@@ -12,6 +12,7 @@ from fedcore.constraints import Constraint, Flag
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, run_epochs
 from fedcore.engine.roles import Client, Payload
+from fedcore.methods import register_method
 from fedcore.methods.base import PersonalEvaluator, WholeModelMethod
 
 PERSONAL_HEAD, COUNTS = "phead", "class_counts"  # the personal head module and the label-count buffer
@@ -85,6 +86,7 @@ class FedRoDEvaluator(PersonalEvaluator):
             return rod_logits(model, batch.x)[1].float()
 
 
+@register_method
 class FedRoD(WholeModelMethod):
     """FedRoD (Chen, Chao; "On Bridging Generic and Personalized Federated Learning for Image Classification",
     ICLR 2022), the linear-personal-head version, on the entire model.

@@ -13,6 +13,7 @@ from fedcore.engine.optim import ClientData
 from fedcore.engine.batching import epochs_of_loss
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, Together
 from fedcore.engine.sampling import stream_seed
+from fedcore.methods import register_method
 from fedcore.methods.base import PROTO_MASK, PROTOS, PrototypeClient, PrototypeMethod, prototype_uplink
 
 GENERATOR = ("embedding", "w1", "b1", "w2", "b2")  # server-state tensors of G_p
@@ -114,6 +115,7 @@ class FedTGPServer(Strategy):
                 "margin": torch.tensor(margin, device=device)}
 
 
+@register_method
 class FedTGP(PrototypeMethod):
     """FedTGP (Zhang, Liu, Hua, Cao; AAAI 2024), as HtFLlib runs it.
 

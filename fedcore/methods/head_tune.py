@@ -12,6 +12,7 @@ from fedcore.engine.data import Batch
 from fedcore.engine.onepass import Owners
 from fedcore.engine.optim import autocast_for
 from fedcore.engine.roles import Client, Evaluator, Together
+from fedcore.methods import register_method
 from fedcore.methods.base import PromptMethod
 
 
@@ -40,6 +41,7 @@ class HeadEvaluator(Evaluator):
         return model.head(batch.x)
 
 
+@register_method
 class HeadTune(PromptMethod):
     """Linear probe trained federatedly.
 

@@ -2,6 +2,7 @@
 communicated."""
 from __future__ import annotations
 
+from fedcore.methods import register_method
 from fedcore.methods.base import BatchableClient, EveryClient, PersonalEvaluator
 from fedcore.methods.representation import PromptsOrBackbone
 
@@ -18,6 +19,7 @@ class LocalClient(BatchableClient):
         return list(keys)
 
 
+@register_method
 class Local(PromptsOrBackbone):
     """No-communication baseline, evaluated per client with its own model.
 

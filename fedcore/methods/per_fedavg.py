@@ -11,6 +11,7 @@ from fedcore.constraints import Int, Number
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer, optimizer_spec
 from fedcore.engine.roles import Client, Evaluator, Payload
+from fedcore.methods import register_method
 from fedcore.methods.base import PromptMethod
 
 
@@ -96,6 +97,7 @@ def cycle(data: ClientData) -> Iterator[Batch]:
             raise ValueError(f"per_fedavg: client {data.cid} has no training batches to adapt on")
 
 
+@register_method
 class PerFedAvg(PromptMethod):
     """Per-FedAvg (Fallah, Mokhtari, Ozdaglar; NeurIPS 2020), first-order (FO) variant, on VPT-shallow + head.
 

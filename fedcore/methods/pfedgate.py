@@ -11,6 +11,7 @@ from torch.nn import functional as F
 from fedcore.constraints import Flag, Int, Number
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer, optimizer_spec
 from fedcore.engine.roles import Client, Evaluator, Payload
+from fedcore.methods import register_method
 from fedcore.methods.base import WholeModelClassifier, WholeModelMethod, random_weights, raw_backbone
 from fedcore.methods.pfedpt import input_side
 
@@ -263,6 +264,7 @@ class ClientLevelGateEvaluator(Evaluator):
         model.fixed_weights, model.mode = model.select(total / count), "fixed"
 
 
+@register_method
 class PFedGate(WholeModelMethod):
     """pFedGate (Chen, Yao, Gao, Ding, Li; "Efficient Personalized Federated Learning via Sparse
     Model-Adaptation", ICML 2023; code yxdyc/pFedGate) on the entire model.

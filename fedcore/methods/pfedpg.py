@@ -14,6 +14,7 @@ from fedcore.engine.aggregation import normalized_weights
 from fedcore.engine.batching import epochs_of_loss
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, Together, load_state
+from fedcore.methods import register_method
 from fedcore.methods.base import BatchableClient, PersonalEvaluator, PromptMethod, ce_losses, prompt_one_pass
 
 PROMPT = "prompts.0"  # the VPT-shallow prompt tokens (num_prompts, D) that the generator produces
@@ -119,6 +120,7 @@ class PFedPGEvaluator(PersonalEvaluator):
         super().load(model, cid, server, client_state, data)
 
 
+@register_method
 class PFedPG(PromptMethod):
     """pFedPG (Yang, Wang, Wang; ICCV 2023): client-specific prompt generation at the server.
 

@@ -12,6 +12,7 @@ from fedcore.backbones.registry import input_cfg, list_archs
 from fedcore.constraints import Choice, Int, Number
 from fedcore.engine.optim import ClientData, TrainSettings, only_training, run_epochs
 from fedcore.engine.roles import Client, Method, Payload
+from fedcore.methods import register_method
 from fedcore.methods.base import PersonalEvaluator, WholeModelClassifier, raw_backbone
 
 PROMPT = "prompt."  # state-key prefix of the personal prompt (G1)
@@ -113,6 +114,7 @@ class PFedPTClient(Client):
         return {"loss": mean, "prompt_loss": s1["loss"], "body_loss": s2["loss"]}, opt_state
 
 
+@register_method
 class PFedPT(Method):
     """pFedPT (Li, Huang, Yang, Wang, Jia; "Visual Prompt Based Personalized Federated Learning", TMLR 2024,
     arXiv:2303.08678; code hkgdifyu/pFedPT), as FedHPL's Table 1 baseline ("original setting and ViT models").

@@ -11,6 +11,7 @@ from fedcore.constraints import Number
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import Client, Evaluator, Payload, load_state
+from fedcore.methods import register_method
 from fedcore.methods.base import WholeModelMethod
 
 
@@ -75,6 +76,7 @@ class PersonalisedModelEvaluator(Evaluator):
             load_state(model, (client_state or {}).get("model") or {})
 
 
+@register_method
 class PFedSD(WholeModelMethod):
     """pFedSD (Jin, Chen, Chen, Zhu, Li, Wei, Cui, Zhang; "Personalized Edge Intelligence via Federated
     Self-Knowledge Distillation", IEEE TPDS 2022/23; code CGCL-codes/pFedSD) on the entire model.

@@ -1,9 +1,11 @@
 """PromptFL: one CoOp prompt shared by all clients, FedAvg."""
 from __future__ import annotations
 
+from fedcore.methods import register_method
 from fedcore.methods.clip_prompt import ClipPromptMethod
 
 
+@register_method
 class PromptFL(ClipPromptMethod):
     """PromptFL (Guo et al., 2023) as FedOTP's baseline (spec fedotp §4.3): one 16-token unified context (N(0, 0.02^2))
     trained by the sampled clients with CE on CLIP's CLS cosine x logit scale and averaged by training-set size

@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from fedcore.constraints import Number
 from fedcore.engine.data import Batch
 from fedcore.engine.onepass import Owners
+from fedcore.methods import register_method
 from fedcore.methods.clip_prompt import ClipClient, ClipPromptMethod
 from fedcore.methods.fedprox import ProximalClient, proximal_term
 
@@ -28,6 +29,7 @@ class PromptProxClient(ProximalClient, ClipClient):
         return losses + torch.stack([proximal_term(p, a, mu) for p, a in zip(rows, anchors, strict=True)])
 
 
+@register_method
 class PromptFLFedProx(ClipPromptMethod):
     """PromptFL + FedProx (spec fedotp §4.4): PromptFL (promptfl.py) whose clients minimise CE + (mu/2)||P - P_g||^2,
     P_g the global prompt received this round, mu ``mu`` 0.5 ([C] default).

@@ -12,6 +12,7 @@ from fedcore.constraints import Flag, Number
 from fedcore.engine.aggregation import normalized_weights, weighted_average
 from fedcore.engine.optim import ClientData, TrainSettings, optimizer_spec, run_epochs
 from fedcore.engine.roles import Client, FitResult, Payload, RoundInfo, State, Strategy, module_state
+from fedcore.methods import register_method
 from fedcore.methods.base import WholeModelMethod
 
 
@@ -107,6 +108,7 @@ class ScaffoldServer(Strategy):
         return {**state, "model": model, "control": control}
 
 
+@register_method
 class Scaffold(WholeModelMethod):
     """SCAFFOLD (Karimireddy, Kale, Mohri, Reddi, Stich, Suresh; ICML 2020), option II, on the entire model.
 

@@ -40,7 +40,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fedcore.analysis.clustering import hungarian_accuracy
 from fedcore.backbones.prompted import PromptedViT, init_prompts
 from fedcore.constraints import EMBED_DIM, LAST_CLIENT, BlockIndex, BlockList, Choice, Flag, Int, Number
 from fedcore.engine.aggregation import weighted_average
@@ -50,6 +49,8 @@ from fedcore.engine.onepass import Owners, train_one_pass
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, epoch_stream, only_training, run_epochs
 from fedcore.engine.roles import (Client, Evaluator, FitResult, Method, Payload, RoundContext, RoundInfo, Strategy,
                                   Together, load_state)
+from fedcore.methods import register_method
+from fedcore.metrics import hungarian_accuracy
 
 QUERY = "select_query"  # the batch extra holding each sample's cached Select query
 
@@ -332,6 +333,7 @@ class SGPTEvaluator(Evaluator):
         return rows
 
 
+@register_method
 class SGPT(Method):
     """Shared + group prompts with Select, block coordinate descent and momentum aggregation."""
 

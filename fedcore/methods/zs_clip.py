@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from fedcore.methods import register_method
 from fedcore.methods.clip_prompt import ClipClient, ClipEvaluator, ClipPromptMethod, cls_logits, fp32
 
 TEMPLATE = "a photo of a {}."  # the code's trainers/clip.py
@@ -40,6 +41,7 @@ class ZeroShotClient(ClipClient):
         return []
 
 
+@register_method
 class ZeroShotCLIP(ClipPromptMethod):
     """Zero-shot CLIP (Radford et al., 2021; spec fedotp §4.1): each class's text feature of "a photo of a {class}."
     ([C] trainers/clip.py; "_" read as a space), logits = CLIP's logit scale x cos(CLS token, text feature); no

@@ -148,7 +148,7 @@ def bubble_counts(train_y: np.ndarray, train_domain: np.ndarray | None, train_li
 def partition_bubbles_figure(fig_cfg: dict, bundle: str | os.PathLike, partitions: list[str | os.PathLike]) -> Figure:
     """Fig. A2: one panel per experiment's partition; x = client, y = class, area ~ train samples, colour =
     domain (a cell holding several domains draws one bubble per domain, side by side)."""
-    from fedcore.partition import Partition
+    from fedcore.partition.file import Partition
 
     _, y, dom, meta = _load_split(bundle, "train")
     domains = meta.get("domains", ["all"])

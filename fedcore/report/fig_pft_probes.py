@@ -20,7 +20,7 @@ OK = "ok"
 
 def build(kind: str, path: str | os.PathLike, fig_cfg: dict, scale: str) -> Figure:
     """The figure of ``kind`` from its probe file."""
-    from fedcore.analysis.run_features import ATTENTION_FORMAT, TSNE_FORMAT, read_panels
+    from fedcore.analysis.probe_files import ATTENTION_FORMAT, RUN_TSNE_FORMAT as TSNE_FORMAT, read_panels
 
     if kind == "run_tsne":
         return tsne_runs_figure(*read_panels(path, TSNE_FORMAT), fig_cfg, scale)

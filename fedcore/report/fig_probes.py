@@ -185,7 +185,7 @@ def partition_grid_figure(counts: list[pd.DataFrame], fig_cfg: dict, seed: int |
                           experiments: dict | None = None, scale: str | None = None) -> Figure:
     """One client x class heat map per configured panel (``panels``: title, experiment), ``cols`` a row; each title
     names the dataset the experiment reads at this scale (the mini analogue is not the paper's dataset)."""
-    from fedcore.partition_plots import class_heatmap_grid
+    from fedcore.partition.plots import class_heatmap_grid
 
     panels = fig_cfg["panels"]
     if len(counts) != len(panels):

@@ -11,9 +11,11 @@ import re
 from pathlib import Path
 
 from fedcore.io import atomic_path
-from fedcore.report.tables import SCALE_BANNERS
+from fedcore.papers import paper_title  # noqa: F401 - the pages' paper titles (inventory.py imports it from here)
 
-PAPER_TITLES = {"sgpt": "SGPT", "fedhpl": "FedHPL", "fedotp": "FedOTP", "fedpft": "FedPFT"}
+# The line every table and figure of a scale carries, where the scale's numbers are no results at all (written by
+# fedcore/report/render.py, the one place every table and figure passes through; the captions below quote it)
+SCALE_BANNERS = {"smoke": "smoke: synthetic data, not results"}
 
 SCALE_CAPTIONS = {
     "mini": ("Scale mini: embedded analogue data and tiny pretrained backbones on CPU; the numbers check the "
@@ -51,11 +53,6 @@ def page(title: str, body: str) -> str:
     """A complete, self-contained HTML document."""
     return (f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>{html.escape(title)}</title>\n"
             f"<style>{CSS}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n")
-
-
-def paper_title(paper: str) -> str:
-    """The display name of a paper (its report category)."""
-    return PAPER_TITLES.get(paper, paper)
 
 
 def scale_caption(scale: str) -> str:

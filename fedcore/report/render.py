@@ -93,11 +93,11 @@ def build_figure(fig_cfg: dict, path: str | os.PathLike, context: Mapping[str, A
     from fedcore.report import fig_probes
 
     if kind in ("tsne", "prompt_tsne"):
-        from fedcore.analysis.tsne import read_tsne
+        from fedcore.analysis.probe_files import read_tsne
 
         return fig_probes.tsne_figure(read_tsne(path), fig_cfg)
     if kind == "transport_plans":
-        from fedcore.analysis.transport import read_transport_plans
+        from fedcore.analysis.probe_files import read_transport_plans
 
         return fig_probes.transport_plans_figure(read_transport_plans(path), fig_cfg)
     if kind == "congruence":
@@ -219,10 +219,10 @@ def mark_folder_layout(experiments: Mapping[str, dict], bundles) -> Mapping[str,
 
 def personalized_flags(methods: list[str], base_method) -> dict[str, bool | None]:
     """Per method (or variant): whether its base method is personalised (PFL); None when it has no code yet."""
-    from fedcore.methods import METHODS, method_class, method_source
+    from fedcore.methods import is_method, method_class
 
     out: dict[str, bool | None] = {}
     for m in methods:
         base = base_method(m)
-        out[m] = bool(method_class(base).evaluator_role.personalized) if base in METHODS and method_source(base).exists() else None
+        out[m] = bool(method_class(base).evaluator_role.personalized) if is_method(base) else None
     return out

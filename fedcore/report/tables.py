@@ -41,6 +41,8 @@ from typing import Any
 import pandas as pd
 
 from fedcore.io import atomic_path
+from fedcore.report.html_pages import SCALE_BANNERS, inline_markdown, page
+from fedcore.selection import replace_experiment, row_source
 
 OK = "ok"
 NOT_IMPLEMENTED = "not implemented"
@@ -81,10 +83,6 @@ METRIC_UNITS: dict[str, float] = {
     "train_con": 1.0,
 }
 PERCENT = 100.0
-
-# The line every table and figure of a scale carries, where the scale's numbers are no results at all (written by
-# fedcore/report/render.py, the one place every table and figure passes through; html_pages' captions quote it)
-SCALE_BANNERS = {"smoke": "smoke: synthetic data, not results"}
 
 PAPER_ROLE = {"paper": "target", "mini": "layout reference only (data and backbone differ)",
               "smoke": "layout reference only (synthetic data: not results)"}
@@ -331,26 +329,6 @@ def _untrained(run: pd.DataFrame, report: dict, which: str | int | None) -> bool
     if report.get("window") == "best" and which is None:
         return bool((rows["value"] > 0).any())
     return bool((seed_values(rows, report, which)["value"] > 0).any())
-
-
-def row_source(table_cfg: dict, row: str, col: dict) -> tuple[str, dict]:
-    """(method, column) a row's cell reads. The method: the row's ``row_sources`` method, else the column's
-    ``method`` (FedOTP Table A4: columns are the gamma variants, rows experiments), else the row itself. The
-    experiment: the row's source ``experiment``, else the column's with the source's ``experiment_replace: [old,
-    new]`` applied (FedHPL Table 2's "FedHPL (ViT)" row reads the heterogeneous-ViT experiment of each
-    heterogeneous-ResNet column), else the column's."""
-    src = (table_cfg.get("row_sources") or {}).get(row) or {}
-    method = src.get("method") or col.get("method") or row
-    experiment = src.get("experiment") or replace_experiment(col["experiment"], src.get("experiment_replace"))
-    return method, {**col, "experiment": experiment}
-
-
-def replace_experiment(experiment: str, replace: list[str] | None) -> str:
-    """``experiment`` with ``replace = [old, new]`` applied (a row or line that reads another experiment); as is
-    without one."""
-    if not replace or not replace[0]:
-        return experiment
-    return experiment.replace(replace[0], replace[1])
 
 
 def check_scale_and_columns(table_cfg: dict, experiments: dict[str, dict], scale: str) -> None:
@@ -622,8 +600,6 @@ def render_html(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
     side by side under the column's label, and the footnotes."""
     import html
 
-    from fedcore.report.html_pages import inline_markdown
-
     esc = lambda t: html.escape(str(t), quote=False)  # noqa: E731
     subs = _subheaders(scale)
     cols = _column_labels(table)
@@ -664,8 +640,6 @@ def write_table(table: pd.DataFrame, table_cfg: dict, scale: str, out_md: str | 
         Path(out_csv): render_csv(table),
     }
     if out_html is not None:
-        from fedcore.report.html_pages import page
-
         texts[Path(out_html)] = page(table_cfg.get("caption", Path(out_html).stem), render_html(table, table_cfg, scale))
     # Rename them only if every write succeeded, so the outputs never disagree with each other.
     with contextlib.ExitStack() as stack:

@@ -8,4 +8,4 @@ import _log  # noqa: E402
 from fedcore.report.aggregate import aggregate_runs  # noqa: E402
 
 _log.setup(snakemake)
-aggregate_runs(list(snakemake.input), snakemake.output[0])
+aggregate_runs(list(snakemake.input.runs), snakemake.output[0])

@@ -1,4 +1,4 @@
-"""snakemake -> fedcore.partition: partition file, per-client class counts, heatmap."""
+"""snakemake -> fedcore.partition.make: partition file, per-client class counts, heatmap."""
 import sys
 from pathlib import Path
 
@@ -7,8 +7,8 @@ import _log  # noqa: E402
 
 from fedcore.data.arrays import load_bundle  # noqa: E402
 from fedcore.io import atomic_path  # noqa: E402
-from fedcore.partition import class_counts, make_partition  # noqa: E402
-from fedcore.partition_plots import plot_class_heatmap  # noqa: E402
+from fedcore.partition.make import class_counts, make_partition  # noqa: E402
+from fedcore.partition.plots import plot_class_heatmap  # noqa: E402
 
 _log.setup(snakemake)
 b = load_bundle(snakemake.input[0])

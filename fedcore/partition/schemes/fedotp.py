@@ -1,7 +1,7 @@
 """FedOTP's data settings (spec fedotp §3.2; official code facts in official_code.md B4) as partition algorithms.
 
-`fedcore.partition` owns the schemes table, validation, the npz format and the one `make_partition`
-entry point; this module holds only the FedOTP-specific draws, all from the rng it is handed:
+fedcore/partition/ owns validation, the npz format and the one `make_partition` entry point; this module holds only
+the FedOTP-specific draws, all from the rng it is handed:
 
   fewshot_pathological  §3.2a: classes shuffled, disjoint blocks of round(K/N) classes, the last client takes
                         the rest; `shots` train images per owned class; test = every test image of the owned classes
@@ -17,16 +17,18 @@ and the official code's data bugs, as opt-in options (DEVIATIONS.md, "FedOTP dat
 
   office_label_images   bug_compat_office_labels: each client's images are the first n images of its domain
                         while its labels follow the partition (OfficeDataset_sub pairs paths[i] with target[map[i]])
-  classname_order       bug_compat_classname_order: a fixed permutation of the class names (the code's names come
-                        from a Python set, whose order is hash-randomised per process)
+  classname_order       bug_compat_classname_order (fedcore/partition/class_order.py, which training reads): a
+                        fixed permutation of the class names (the code's names come from a Python set, whose order
+                        is hash-randomised per process)
 """
 from __future__ import annotations
 
 import numpy as np
 
-from fedcore.partition import _cumulative_cut, _gather
-
-CLASSNAME_STREAM = 0xC1A55  # rng stream of the class-name permutation, apart from the partition's own draw
+from fedcore.constraints import Violation
+from fedcore.data.facts import DatasetFacts
+from fedcore.partition.draw import cumulative_cut, gather
+from fedcore.partition.registry import REQUIRED, Labels, register_scheme
 
 
 def fewshot_blocks(num_classes: int, clients: int) -> list[tuple[int, int]]:
@@ -44,8 +46,37 @@ def fewshot_blocks(num_classes: int, clients: int) -> list[tuple[int, int]]:
     return blocks
 
 
-def fewshot_pathological(spec: dict, train_y: np.ndarray, test_y: np.ndarray, rng: np.random.Generator):
+def _fewshot_limits(spec: dict, facts: DatasetFacts, dataset: str) -> list[Violation]:
+    """FedOTP's few-shot split: every client gets a class block, and every class has `shots` train images."""
+    try:
+        fewshot_blocks(facts.classes, spec["clients"])
+    except ValueError as e:
+        return [Violation("partition.clients", spec["clients"], f"1..{facts.classes}", str(e))]
+    n = facts.train.min_class
+    if n is not None and spec["shots"] > n:
+        return [Violation("partition.shots", spec["shots"], f"1..{n}",
+                          f"the smallest class of dataset {dataset} has {n} train samples")]
+    return []
+
+
+def _coarse_limits(spec: dict, facts: DatasetFacts, dataset: str) -> list[Violation]:
+    """FedOTP's CIFAR-100 splits need coarse labels; coarse_split needs a client count that the coarse classes divide."""
+    if facts.coarse == 0:
+        return [Violation("partition.scheme", spec["scheme"], "a scheme without coarse labels",
+                          f"dataset {dataset} has no coarse labels")]
+    if spec["scheme"] == "coarse_split" and spec["clients"] % facts.coarse:
+        return [Violation("partition.clients", spec["clients"], f"multiples of {facts.coarse}",
+                          f"dataset {dataset} has {facts.coarse} coarse classes, each held by clients / "
+                          f"{facts.coarse} clients")]
+    return []
+
+
+@register_scheme("fewshot_pathological", keys={"clients": REQUIRED, "shots": REQUIRED, "test": "owned_classes"},
+                 # every test image of the client's classes
+                 test_modes=("owned_classes",), limits=_fewshot_limits)
+def fewshot_pathological(spec: dict, labels: Labels, rng: np.random.Generator):
     """§3.2a: disjoint class blocks, `shots` random train images per owned class, all test images of them."""
+    train_y, test_y = labels.train_y, labels.test_y
     classes = np.unique(train_y)
     order = rng.permutation(classes)
     shots = spec["shots"]
@@ -64,8 +95,10 @@ def fewshot_pathological(spec: dict, train_y: np.ndarray, test_y: np.ndarray, rn
     return train, test
 
 
-def pachinko(spec: dict, train_y: np.ndarray, test_y: np.ndarray, train_coarse: np.ndarray,
-             test_coarse: np.ndarray, rng: np.random.Generator):
+@register_scheme("pachinko", keys={"clients": REQUIRED, "alpha": REQUIRED, "fine_alpha": 10.0, "test": "pooled"},
+                 # the test-split samples of the client's own draw from train+test
+                 test_modes=("pooled",), needs=("coarse",), limits=_coarse_limits)
+def pachinko(spec: dict, labels: Labels, rng: np.random.Generator):
     """§3.2b: FedEM's Pachinko allocation over the pooled train+test set; returns (train, test) index lists.
 
     Every draw picks a coarse class by the client's coarse weights, a fine class of it by the client's fine
@@ -73,6 +106,7 @@ def pachinko(spec: dict, train_y: np.ndarray, test_y: np.ndarray, train_coarse: 
     clients). An exhausted fine class leaves its coarse class's weights (renormalised); an exhausted coarse
     class leaves the coarse weights. Client order is shuffled at the end, as the code does.
     """
+    train_y, test_y, train_coarse, test_coarse = labels.train_y, labels.test_y, labels.train_coarse, labels.test_coarse
     y = np.concatenate([train_y, test_y])
     coarse = np.concatenate([train_coarse, test_coarse])
     n_train, k = len(train_y), spec["clients"]
@@ -116,10 +150,13 @@ def _pick(weights: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
 
 
-def coarse_split(spec: dict, train_y: np.ndarray, test_y: np.ndarray, train_coarse: np.ndarray,
-                 test_coarse: np.ndarray, rng: np.random.Generator):
+@register_scheme("coarse_split", keys={"clients": REQUIRED, "test": "class_share"},
+                 # the client's equal share of its fine classes' test pools
+                 test_modes=("class_share",), needs=("coarse",), limits=_coarse_limits)
+def coarse_split(spec: dict, labels: Labels, rng: np.random.Generator):
     """§3.2e: client c holds coarse class c // (N / C); every fine class of it is split equally (n // share each,
     the remainder unused, as the code's `(50000/100)//5`) over that coarse class's clients, train and test."""
+    train_y, test_y, train_coarse = labels.train_y, labels.test_y, labels.train_coarse
     coarse_ids = np.unique(train_coarse)
     k = spec["clients"]
     if k % len(coarse_ids):
@@ -138,7 +175,7 @@ def coarse_split(spec: dict, train_y: np.ndarray, test_y: np.ndarray, train_coar
                                      f"fewer than its {share} clients")
                 for i, owner in enumerate(owners):
                     parts[owner].append(pool[i * n:(i + 1) * n])
-    return _gather(train), _gather(test)
+    return gather(train), gather(test)
 
 
 def domain_dirichlet(alpha: float, min_size: int, k: int, train_y: np.ndarray, test_y: np.ndarray,
@@ -158,9 +195,9 @@ def domain_dirichlet(alpha: float, min_size: int, k: int, train_y: np.ndarray, t
                 tr_pool = rng.permutation(np.flatnonzero((train_domain == d) & (train_y == c)))
                 te_pool = rng.permutation(np.flatnonzero((test_domain == d) & (test_y == c)))
                 for parts, pool in ((tr_parts, tr_pool), (te_parts, te_pool)):
-                    for i, piece in enumerate(_cumulative_cut(pool, p)):
+                    for i, piece in enumerate(cumulative_cut(pool, p)):
                         parts[i].append(piece)
-            tr, te = _gather(tr_parts), _gather(te_parts)
+            tr, te = gather(tr_parts), gather(te_parts)
             if min(len(t) for t in tr) >= min_size:
                 break
         else:
@@ -190,23 +227,3 @@ def office_label_images(indices: list[np.ndarray], domain: np.ndarray) -> list[n
             continue
         out.append(np.flatnonzero(domain == doms[0])[: len(idx)].astype(np.int64))
     return out
-
-
-def classname_order(num_classes: int, seed: int) -> np.ndarray:
-    """bug_compat_classname_order: the fixed permutation whose k-th entry is the class whose name prompt k gets.
-
-    The code's names come from a Python set, iterated in a hash-randomised order that changes per process; a
-    permutation seeded by the partition seed (its own stream, so the partition's indices are unchanged) makes
-    every run of a flagged experiment see the same wrong pairing, reproducibly.
-    """
-    return np.random.default_rng([int(seed), CLASSNAME_STREAM]).permutation(num_classes).astype(np.int64)
-
-
-def prompt_class_names(names: list[str], class_order: np.ndarray | None) -> list[str]:
-    """The class name that prompt k (the classifier's class k) is written with: ``names[k]``, in label order (the
-    correct pairing), or ``names[class_order[k]]`` for a partition made with bug_compat_classname_order."""
-    if class_order is None:
-        return list(names)
-    if len(class_order) != len(names):
-        raise ValueError(f"the partition's class_order has {len(class_order)} entries for {len(names)} class names")
-    return [names[int(j)] for j in class_order]

@@ -21,6 +21,7 @@ from fedcore.backbones.vit import backbone_info, build_vit
 from fedcore.data.arrays import load_bundle
 from fedcore.engine.data import DeviceSplit, InputPipeline
 from fedcore.io import atomic_path, read_npz
+from fedcore.runtime.device import pick_device
 
 FORMAT = "fedcore-select-queries-v1"
 
@@ -45,8 +46,6 @@ def layer_features(backbone: PromptedViT, split: DeviceSplit, pipeline: InputPip
 def compute_select_queries(dataset_path: str | Path, arch: str, weights: str | Path | None, block: int,
                            out_path: str | Path, device: str = "auto", threads: int | None = None) -> None:
     """Write the frozen Select queries (raw final-norm CLS after ``block``) of both splits to ``out_path``."""
-    from fedcore.train import pick_device  # local import: train imports this module
-
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)
@@ -96,3 +95,13 @@ def load_select_queries(path: str | Path | None, n_train: int, n_test: int, bloc
     if block is not None and int(meta["block"]) != int(block):
         raise ValueError(f"{path} holds block {meta['block']} queries, the method's select_block is {block}")
     return torch.from_numpy(train).to(device), torch.from_numpy(test).to(device)
+
+
+def build(args: tuple[int, ...], dataset_path, arch, weights, out_path, device, threads) -> None:
+    """Artifact ``cls_block<b>`` (fedcore.artifacts): the frozen CLS after block args[0] for both splits."""
+    compute_select_queries(dataset_path, arch, weights, args[0], out_path, device=device, threads=threads)
+
+
+def load(args: tuple[int, ...], path, n_train: int, n_test: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Artifact ``cls_block<b>``'s train and test rows, checked against the dataset's sizes and the block."""
+    return load_select_queries(path, n_train, n_test, args[0], device)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedcore.backbones.prompted import attention_backend
-from fedcore.backbones.pretrain import _isolated_torch_state, _lr_factor, _param_groups
+from fedcore.backbones.pretrain.common import isolated_torch_state, lr_factor, param_groups
 from fedcore.backbones.registry import arch_spec, build_backbone, input_cfg
 from fedcore.data.arrays import DatasetBundle
 from fedcore.io import atomic_torch_save
@@ -163,13 +163,13 @@ def pretrain_moco(
         raise ValueError(f"MoCo pretraining needs a pretrain split of at least batch_size={batch_size} images; "
                          f"the bundle has {0 if ds is None else len(ds)}")
     device = torch.device(device)
-    with _isolated_torch_state(threads), attention_backend(device):
+    with isolated_torch_state(threads), attention_backend(device):
         torch.default_generator.manual_seed(seed)  # init RNG (CPU only: the caller's CUDA RNG is left alone)
         gen = torch.Generator().manual_seed(seed)  # CPU generator: the same shuffles and views on every device
         info = input_cfg(arch, tag)
         model = MoCoV3(build_backbone(arch, None, tag), arch_spec(arch).dim, proj_dim, mlp_dim).to(device)
         trained = nn.ModuleList([model.base, model.predictor])  # the key encoder learns by momentum only
-        opt = torch.optim.AdamW(_param_groups(trained, weight_decay), lr=lr)
+        opt = torch.optim.AdamW(param_groups(trained, weight_decay), lr=lr)
         x_all = torch.from_numpy(ds.x).to(device)
         n = len(x_all)
         steps_per_epoch = n // batch_size
@@ -184,7 +184,7 @@ def pretrain_moco(
                 idx = perm[s * batch_size : (s + 1) * batch_size]
                 v1, v2 = two_views(x_all[idx], gen, crop_min, jitter, info["img_size"], info["mean"], info["std"])
                 for g in opt.param_groups:
-                    g["lr"] = lr * _lr_factor(step, total, "cosine")
+                    g["lr"] = lr * lr_factor(step, total, "cosine")
                 loss = model(v1, v2, moco_momentum(step, total, momentum), temperature)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()

@@ -27,6 +27,7 @@ from fedcore.backbones.vit import backbone_info
 from fedcore.data.arrays import load_bundle
 from fedcore.engine.data import DeviceSplit, InputPipeline
 from fedcore.io import atomic_path, read_npz
+from fedcore.runtime.device import pick_device
 
 FORMAT = "fedcore-clip-tokens-v1"
 RULE = "features"
@@ -48,8 +49,6 @@ def image_tokens(clip: PromptedCLIP, split: DeviceSplit, pipeline: InputPipeline
 def compute_clip_tokens(dataset_path: str | Path, arch: str, weights: str | Path | None, out_path: str | Path,
                         device: str = "auto", threads: int | None = None) -> None:
     """Write the frozen CLIP image tokens of both splits of a dataset to ``out_path``."""
-    from fedcore.train import pick_device  # local import: train imports the artifacts
-
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)
@@ -91,3 +90,13 @@ def load_clip_tokens(path: str | Path | None, n_train: int, n_test: int,
                              f"(the dataset's {name} size, 1 + {meta['num_patches']} patches, {meta['arch']}'s "
                              f"embed_dim); rebuild it with the features rule")
     return torch.from_numpy(train).to(device), torch.from_numpy(test).to(device)
+
+
+def build(args: tuple[int, ...], dataset_path, arch, weights, out_path, device, threads) -> None:
+    """Artifact ``clip_tokens`` (fedcore.artifacts): the frozen CLIP CLS + patch tokens of both splits."""
+    compute_clip_tokens(dataset_path, arch, weights, out_path, device=device, threads=threads)
+
+
+def load(args: tuple[int, ...], path, n_train: int, n_test: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Artifact ``clip_tokens``' train and test tokens, checked against the dataset's sizes and the stored shapes."""
+    return load_clip_tokens(path, n_train, n_test, device)

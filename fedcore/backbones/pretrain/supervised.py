@@ -1,79 +1,22 @@
-"""Supervised pretraining of a tiny backbone (ViT or ResNet) on a dataset's held-out `pretrain` split (mini scale);
-``pretrain`` dispatches on config/backbones.yaml's ``pretrain.objective`` (supervised here, moco in pretrain_moco,
-clip in pretrain_clip)."""
+"""Supervised pretraining of a tiny backbone (ViT or ResNet) on a dataset's held-out `pretrain` split (mini scale):
+objective ``supervised`` of config/backbones.yaml's ``pretrain:``."""
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
-import torch.utils.deterministic
 from torch import Tensor, nn
 
 from fedcore.backbones.images import to_model_input
+from fedcore.backbones.pretrain.common import isolated_torch_state, lr_factor, param_groups, random_shift
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import arch_spec, build_backbone, input_cfg
 from fedcore.data.arrays import DatasetBundle
 from fedcore.io import atomic_torch_save
-
-WARMUP_FRACTION = 0.05  # linear warm-up share of all steps before the cosine decay
-
-
-@contextlib.contextmanager
-def _isolated_torch_state(threads: int | None) -> Iterator[None]:
-    """Seed/determinism/thread settings for one run, restoring the caller's global torch state afterwards."""
-    prev_threads = torch.get_num_threads()
-    prev_det = torch.are_deterministic_algorithms_enabled()
-    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    prev_fill = torch.utils.deterministic.fill_uninitialized_memory
-    try:
-        if threads:
-            torch.set_num_threads(threads)
-        # warn_only: on CUDA a few kernels have no deterministic variant; CPU training is bit-exact anyway
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        # NaN-filling every torch.empty (a debugging aid of deterministic mode) cost ~3% of a step
-        torch.utils.deterministic.fill_uninitialized_memory = False
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        torch.set_num_threads(prev_threads)
-        torch.use_deterministic_algorithms(prev_det, warn_only=prev_warn)
-        torch.utils.deterministic.fill_uninitialized_memory = prev_fill
-
-
-def random_shift(x: Tensor, max_shift: int, generator: torch.Generator) -> Tensor:
-    """Shift each uint8 (B,H,W,C) image by up to ±max_shift pixels, edge pixels repeated; one gather, no padding."""
-    b, h, w, _ = x.shape
-    dev = x.device
-    dy = torch.randint(-max_shift, max_shift + 1, (b, 1), generator=generator).to(dev)
-    dx = torch.randint(-max_shift, max_shift + 1, (b, 1), generator=generator).to(dev)
-    rows = (torch.arange(h, device=dev) + dy).clamp_(0, h - 1)  # (B,H)
-    cols = (torch.arange(w, device=dev) + dx).clamp_(0, w - 1)  # (B,W)
-    return x[torch.arange(b, device=dev)[:, None, None], rows[:, :, None], cols[:, None, :]]
-
-
-def _lr_factor(step: int, total: int, schedule: str) -> float:
-    """Multiplier of the base lr: linear warm-up then cosine to zero, or constant."""
-    if schedule == "constant":
-        return 1.0
-    warm = max(1, int(WARMUP_FRACTION * total))
-    if step < warm:
-        return (step + 1) / warm
-    return 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
-
-
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: no decay for biases, norms (BatchNorm too), position embeddings and the CLS token, as timm."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim <= 1 or name.endswith(("pos_embed", "cls_token")) else decay).append(p)
-    return [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
 
 
 @torch.no_grad()
@@ -125,7 +68,7 @@ def pretrain_backbone(
     if schedule not in ("cosine", "constant"):
         raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
     device = torch.device(device)
-    with _isolated_torch_state(threads), attention_backend(device):
+    with isolated_torch_state(threads), attention_backend(device):
         torch.default_generator.manual_seed(seed)  # init RNG (CPU only: the caller's CUDA RNG is left alone)
         gen = torch.Generator().manual_seed(seed)  # CPU generator: same shuffles/shifts on every device
         model = build_backbone(arch, None, tag).to(device)
@@ -134,7 +77,7 @@ def pretrain_backbone(
         head = nn.Linear(info["embed_dim"], num_classes).to(device)
         params = list(model.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(
-            _param_groups(model, weight_decay) + [dict(params=list(head.parameters()), weight_decay=weight_decay)],
+            param_groups(model, weight_decay) + [dict(params=list(head.parameters()), weight_decay=weight_decay)],
             lr=lr,
         )
         # the whole split lives on the device as uint8; batches are gathered there
@@ -159,7 +102,7 @@ def pretrain_backbone(
                 xb = random_shift(x_all[idx], shift, gen) if shift > 0 else x_all[idx]
                 inp = to_model_input(xb, info["img_size"], info["mean"], info["std"])
                 for g in opt.param_groups:
-                    g["lr"] = lr * _lr_factor(step, total, schedule)
+                    g["lr"] = lr * lr_factor(step, total, schedule)
                 logits = head(model(inp))
                 loss = F.cross_entropy(logits, y_all[idx], label_smoothing=label_smoothing)
                 opt.zero_grad(set_to_none=True)
@@ -203,36 +146,3 @@ def pretrain_backbone(
         device=str(device),
         threads=torch.get_num_threads() if threads is None else threads,
     )
-
-
-OBJECTIVES = ("supervised", "moco", "clip")
-# pretrain settings that are not config keys: the pipeline passes them (rule pretrain_backbone)
-_NOT_CONFIG = {"bundle", "arch", "tag", "seed", "out_path", "threads", "progress", "device"}
-
-
-def _pretrainer(objective: str):
-    """The pretraining function of `objective`."""
-    if objective == "supervised":
-        return pretrain_backbone
-    if objective == "moco":
-        from fedcore.backbones.pretrain_moco import pretrain_moco
-
-        return pretrain_moco
-    if objective == "clip":
-        from fedcore.backbones.pretrain_clip import pretrain_clip
-
-        return pretrain_clip
-    raise ValueError(f"pretrain objective must be one of {OBJECTIVES}, got {objective!r}")
-
-
-def objective_keys(objective: str) -> list[str]:
-    """The config keys (config/backbones.yaml ``pretrain:``) that `objective`'s pretraining accepts."""
-    return sorted(set(inspect.signature(_pretrainer(objective)).parameters) - _NOT_CONFIG)
-
-
-def pretrain(bundle: DatasetBundle, arch: str, tag: str | None = None, objective: str = "supervised",
-             **kwargs) -> dict:
-    """Pretrain `arch` on bundle.pretrain by `objective`: supervised (labels, ``pretrain_backbone``), moco
-    (self-supervised MoCo v3, ``pretrain_moco.pretrain_moco``) or clip (image-text contrastive, a CLIP arch:
-    ``pretrain_clip.pretrain_clip``); the other keywords go to that function."""
-    return _pretrainer(objective)(bundle, arch, tag, **kwargs)

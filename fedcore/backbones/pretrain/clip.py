@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from fedcore.backbones.clip import encode_token_ids, tokenize
 from fedcore.backbones.images import to_model_input
-from fedcore.backbones.pretrain import _isolated_torch_state, _lr_factor, random_shift
+from fedcore.backbones.pretrain.common import isolated_torch_state, lr_factor, random_shift
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import arch_spec, build_backbone, input_cfg
 from fedcore.data.arrays import DatasetBundle
@@ -116,7 +116,7 @@ def pretrain_clip(
                          f"(0..{int(ds.y.max())}); the bundle has {names!r}")
     styles = list(bundle.meta.get("styles", ["clean"])) if ds.domain is not None else ["clean"]
     device = torch.device(device)
-    with _isolated_torch_state(threads), attention_backend(device):
+    with isolated_torch_state(threads), attention_backend(device):
         torch.default_generator.manual_seed(seed)  # init RNG (CPU only: the caller's CUDA RNG is left alone)
         gen = torch.Generator().manual_seed(seed)  # CPU generator: same shuffles, shifts, captions on every device
         info = input_cfg(arch, tag)
@@ -141,7 +141,7 @@ def pretrain_clip(
                 cap = (template * n_styles + style_all[idx]) * n_names + y_all[idx]
                 uniq, inverse = torch.unique(cap, return_inverse=True)
                 for g in opt.param_groups:
-                    g["lr"] = lr * _lr_factor(step, total, "cosine")
+                    g["lr"] = lr * lr_factor(step, total, "cosine")
                 image_features = model.encode_image(to_model_input(xb, info["img_size"], info["mean"], info["std"]))
                 loss = clip_loss(image_features, encode_token_ids(model, all_ids[uniq]), inverse,
                                  model.logit_scale.exp())

@@ -1,7 +1,7 @@
 """FedHPL's data settings (paper B.2, C.3, C.5.4; spec fedhpl §3.2) as partition algorithms.
 
-`fedcore.partition` owns the schemes table, validation, the npz format and the one `make_partition`
-entry point; this module holds only the FedHPL-specific draws, all from the rng it is handed:
+fedcore/partition/ owns validation, the npz format and the one `make_partition` entry point; this module holds only
+the FedHPL-specific draws, all from the rng it is handed:
 
   iid with min_per_class_frac   every client first takes floor(frac * N_c) of every class, the rest is IID
   dirichlet_overlap             FedHPL "Dir": per-client class mix q_k ~ Dir(alpha_k), |D_k,c| = q_k,c * |D_k|,
@@ -9,7 +9,7 @@ entry point; this module holds only the FedHPL-specific draws, all from the rng 
   class_subsets                 the baselines' own protocol (C.3): 80/20 per-class split of the train set,
                                 client k holds classes_per_client[k] random classes, one setting inside them
 
-FedHPL "Non-IID" (disjoint, random or fixed alpha, per-class minimum) is the `dirichlet` scheme itself.
+FedHPL "Non-IID" (disjoint, random or fixed alpha, per-class minimum) is the `dirichlet` scheme itself (label_skew.py).
 Choices where the paper is silent are listed in DEVIATIONS.md ("FedHPL partitions").
 """
 from __future__ import annotations
@@ -18,7 +18,37 @@ import math
 
 import numpy as np
 
-from fedcore.partition import _cumulative_cut, _gather, _largest_remainder
+from fedcore.partition.draw import cumulative_cut, gather, label_skew_test, largest_remainder
+from fedcore.partition.registry import REQUIRED, Labels, register_scheme
+
+
+
+def _check_random_alpha(out: dict) -> None:
+    """FedHPL's overlapping Dirichlet: alpha_sum goes with alpha: random, and only with it."""
+    if out["alpha"] == "random" and out["alpha_sum"] is None:
+        raise ValueError("partition key 'alpha_sum' is needed with alpha: random in FedHPL's overlapping "
+                         "Dirichlet: 'classes' (sum over classes = 1, the paper's CIFAR-10) or 'clients' "
+                         "(sum over clients = 1, CIFAR-100 and SVHN)")
+    if out["alpha"] != "random" and out["alpha_sum"] is not None:
+        raise ValueError(f"partition key 'alpha_sum' only applies to alpha: random, got alpha={out['alpha']}")
+
+
+def _check_class_subsets(out: dict) -> None:
+    """One class count per client; which alpha and alpha_sum a setting takes."""
+    if len(out["classes_per_client"]) != out["clients"]:
+        raise ValueError(f"partition key 'classes_per_client' must give one class count per client "
+                         f"(clients={out['clients']}), got {out['classes_per_client']}")
+    setting = out["setting"]
+    if setting == "iid" and (out["alpha"] is not None or out["alpha_sum"] is not None):
+        raise ValueError("partition keys 'alpha' and 'alpha_sum' do not apply to class_subsets with setting: iid")
+    if setting != "iid" and out["alpha"] is None:
+        raise ValueError(f"partition scheme 'class_subsets' with setting: {setting} needs key 'alpha' "
+                         f"(a number > 0 or \"random\")")
+    if setting == "dirichlet" and out["alpha_sum"] is not None:
+        raise ValueError("partition key 'alpha_sum' does not apply to setting: dirichlet "
+                         "(its random alpha always sums to 1 over the clients holding a class)")
+    if setting == "dirichlet_overlap":
+        _check_random_alpha(out)
 
 
 def per_class_minimum(frac: float, class_size: int, holders: int, cls: int) -> int:
@@ -57,7 +87,7 @@ def _fill(weights: np.ndarray, total: int, floor: np.ndarray, cap: np.ndarray) -
         w = np.where(room > 0, weights, 0.0)
         if w.sum() <= 0:
             w = (room > 0).astype(np.float64)
-        add = np.minimum(_largest_remainder(w, left), room)
+        add = np.minimum(largest_remainder(w, left), room)
         counts += add
         left -= int(add.sum())
     return counts
@@ -102,20 +132,27 @@ def _overlap_counts(spec: dict, pool_sizes: np.ndarray, held: np.ndarray, budget
     return counts
 
 
-def dirichlet_overlap(spec: dict, train_y: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
-    """FedHPL "Dir": |D_k| = N/K, |D_k,c| = q_k,c |D_k|; each client samples its classes independently (overlap)."""
+@register_scheme("dirichlet_overlap", keys={"clients": REQUIRED, "alpha": REQUIRED,
+                                            # with alpha: random, 'classes' (CIFAR-10) or 'clients' (CIFAR-100, SVHN)
+                                            "alpha_sum": None, "min_per_class_frac": 0.0, "test": "full"},
+                 # no "split": a shared sample would leak into a test set
+                 test_modes=("full", "proportional", "iid"), check=_check_random_alpha, random_alpha=True)
+def dirichlet_overlap(spec: dict, labels: Labels, rng: np.random.Generator):
+    """FedHPL "Dir": |D_k| = N/K, |D_k,c| = q_k,c |D_k|; each client samples its classes independently (overlap);
+    the test rule of ``test``."""
+    train_y = labels.train_y
     classes = np.unique(train_y)
     pools = [np.flatnonzero(train_y == c) for c in classes]
     sizes = np.array([len(p) for p in pools], dtype=np.int64)
     held = np.ones((spec["clients"], len(classes)), dtype=bool)
-    budgets = _largest_remainder(np.ones(spec["clients"]), len(train_y))
+    budgets = largest_remainder(np.ones(spec["clients"]), len(train_y))
     counts = _overlap_counts(spec, sizes, held, budgets, rng)
-    return _sample_counts(pools, counts, rng)
+    return label_skew_test(spec, _sample_counts(pools, counts, rng), train_y, labels.test_y, rng)
 
 
 def _sample_counts(pools: list[np.ndarray], counts: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
     """Per client, counts[i, j] distinct samples of pool j; clients draw independently of each other."""
-    return _gather([[rng.permutation(pool)[:n] for pool, n in zip(pools, row) if n > 0] for row in counts])
+    return gather([[rng.permutation(pool)[:n] for pool, n in zip(pools, row) if n > 0] for row in counts])
 
 
 def _disjoint_split(pool: np.ndarray, holders: np.ndarray, spec: dict, setting: str, minimum: int,
@@ -132,15 +169,23 @@ def _disjoint_split(pool: np.ndarray, holders: np.ndarray, spec: dict, setting: 
             a = u / u.sum()  # sum over the class's holders = 1, as the paper's Non-IID setting
         else:
             a = np.full(h, spec["alpha"])
-        shares = _cumulative_cut(rest, rng.dirichlet(a))
+        shares = cumulative_cut(rest, rng.dirichlet(a))
     return [np.concatenate([f, s]).astype(np.int64) for f, s in zip(firsts, shares)]
 
 
-def class_subsets(spec: dict, train_y: np.ndarray, rng: np.random.Generator):
+@register_scheme("class_subsets", keys={"clients": REQUIRED,
+                                        "classes_per_client": REQUIRED,  # a list, one class count per client
+                                        "setting": REQUIRED,  # iid | dirichlet | dirichlet_overlap inside them
+                                        "alpha": None, "alpha_sum": None, "min_per_class_frac": 0.0, "test": "split",
+                                        "test_fraction": 0.2},
+                 # the private 20 % test pool of the clients' own classes
+                 test_modes=("split",), check=_check_class_subsets, random_alpha=True)
+def class_subsets(spec: dict, labels: Labels, rng: np.random.Generator):
     """The baselines' original protocol (C.3): 80/20 per class, then class subsets; test indices index train.
 
     Returns (train, test) index lists into the train split.
     """
+    train_y = labels.train_y
     k, setting = spec["clients"], spec["setting"]
     classes = np.unique(train_y)
     too_many = [s for s in spec["classes_per_client"] if s > len(classes)]
@@ -160,7 +205,7 @@ def class_subsets(spec: dict, train_y: np.ndarray, rng: np.random.Generator):
     sizes = np.array([len(p) for p in train_pools], dtype=np.int64)
     frac = spec["min_per_class_frac"]
     if setting == "dirichlet_overlap":
-        budgets = _largest_remainder(np.ones(k), int(sizes.sum()))
+        budgets = largest_remainder(np.ones(k), int(sizes.sum()))
         counts = _overlap_counts(spec, sizes, held, budgets, rng)
         train = _sample_counts(train_pools, counts, rng)
         # the private test set mirrors the client's own class counts, scaled to the 20 % pool, drawn like its train
@@ -177,8 +222,8 @@ def class_subsets(spec: dict, train_y: np.ndarray, rng: np.random.Generator):
         pieces = _disjoint_split(train_pools[j], holders, spec, setting, minimum, rng)
         # the class's test pool is cut over the same holders in proportion to their train counts (disjoint)
         weights = np.array([len(p) for p in pieces], dtype=np.int64)
-        tests = _cumulative_cut(test_pools[j], weights) if weights.sum() else [test_pools[j][:0]] * len(holders)
+        tests = cumulative_cut(test_pools[j], weights) if weights.sum() else [test_pools[j][:0]] * len(holders)
         for i, tr, te in zip(holders, pieces, tests):
             train_parts[i].append(tr)
             test_parts[i].append(te)
-    return _gather(train_parts), _gather(test_parts)
+    return gather(train_parts), gather(test_parts)

@@ -13,7 +13,7 @@ SLURM each job gets its own GPU already. The lock files live in a machine-local 
 (``FEDCORE_GPU_SLOTS_DIR``, default ``<tmp>/fedcore-gpu-slots-<uid>``), so two pipelines of one user on one
 machine share the pool too.
 
-Self-contained (standard library only) so that it can move into a runtime module with device picking.
+Self-contained (standard library only): a job claims its GPU before anything imports torch.
 """
 from __future__ import annotations
 

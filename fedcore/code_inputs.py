@@ -1,0 +1,131 @@
+"""The fedcore files a job runs, derived from imports, for the rules' code inputs: an edit to code a job executes
+reruns it, and an edit to code it does not import reruns nothing.
+
+A job is a workflow script (workflow/scripts/*.py) that imports fedcore modules, plus the plug-ins its run loads by
+name (a method, an artifact kind, a pretraining objective, the partition schemes: ``method_module``,
+``artifact_module``, ``objective_module``, ``scheme_modules``). Its code is the import closure of those modules: every
+fedcore module they import, at module level or inside a function (not under ``TYPE_CHECKING``: never executed),
+with the packages above each (their ``__init__.py`` runs first). The graph is read from the source (a static AST
+walk over fedcore/, once per process), so nothing is imported to compute it.
+
+The scripts' own helpers (workflow/scripts/_log.py, _gpu.py) are workflow glue: where a job logs and which GPU it
+takes change no output, so their fedcore modules (joblog, runtime.gpu_slots) are not code inputs.
+"""
+from __future__ import annotations
+
+import ast
+from functools import lru_cache
+from pathlib import Path
+
+PACKAGE = "fedcore"
+ROOT = Path(__file__).resolve().parent  # the fedcore package directory
+
+
+def _module_names(root: Path) -> dict[str, Path]:
+    """Dotted module name -> its file, for every module of the package (a package by its __init__.py)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _under_type_checking(test: ast.expr) -> bool:
+    """Whether an ``if`` test is ``TYPE_CHECKING`` (or ``typing.TYPE_CHECKING``): its imports never run."""
+    return isinstance(test, (ast.Name, ast.Attribute)) and ast.unparse(test).endswith("TYPE_CHECKING")
+
+
+def _imported(tree: ast.Module, module: str, is_package: bool, known: dict[str, Path]) -> set[str]:
+    """The fedcore modules a module's source imports, anywhere but under ``if TYPE_CHECKING:``."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def resolve(name: str) -> None:
+        while name and name not in known:  # `import a.b.c` of an attribute: its module
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _under_type_checking(child.test):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    if alias.name.split(".")[0] == PACKAGE:
+                        resolve(alias.name)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:  # relative: from the importing module's package
+                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                if base.split(".")[0] == PACKAGE:
+                    resolve(base)
+                    for alias in child.names:  # `from package import submodule`
+                        if f"{base}.{alias.name}" in known:
+                            found.add(f"{base}.{alias.name}")
+            visit(child)
+
+    visit(tree)
+    found.discard(module)
+    return found
+
+
+@lru_cache(maxsize=None)
+def import_graph(root: Path = ROOT) -> dict[str, frozenset[str]]:
+    """Every fedcore module -> the fedcore modules its source imports (module level and inside functions)."""
+    known = _module_names(root)
+    return {m: frozenset(_imported(ast.parse(p.read_text(encoding="utf-8"), str(p)), m, p.name == "__init__.py", known))
+            for m, p in known.items()}
+
+
+def closure(modules: list[str] | tuple[str, ...], root: Path = ROOT) -> set[str]:
+    """``modules`` and every fedcore module they import, directly or not, with the packages above each."""
+    graph = import_graph(root)
+    seen: set[str] = set()
+    todo = list(modules)
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        if m not in graph:
+            raise ValueError(f"{m} is not a module of {root}")
+        seen.add(m)
+        parent = m.rpartition(".")[0]
+        if parent:
+            todo.append(parent)
+        todo.extend(graph[m])
+    return seen
+
+
+def module_file(module: str, root: Path = ROOT) -> Path:
+    """A fedcore module's file, relative to the package directory (``engine/loop.py``, ``methods/__init__.py``)."""
+    path = root.joinpath(*module.split(".")[1:])
+    return (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).relative_to(root)
+
+
+def script_modules(script: str | Path) -> list[str]:
+    """The fedcore modules a workflow script imports itself (not through its helpers _log and _gpu)."""
+    tree = ast.parse(Path(script).read_text(encoding="utf-8"), str(script))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == PACKAGE:
+            out += [node.module, *(f"{node.module}.{a.name}" for a in node.names)]  # a name may be a submodule
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] == PACKAGE]
+    if not out:
+        raise ValueError(f"{script} imports nothing of fedcore: no code inputs to derive")
+    return list(dict.fromkeys(out))
+
+
+def code_files(*modules: str, script: str | Path | None = None, root: Path = ROOT) -> list[Path]:
+    """The files (relative to the fedcore package directory, sorted) of everything ``modules`` and the fedcore modules
+    ``script`` imports run: a job's code inputs."""
+    graph = import_graph(root)
+    # `from fedcore.a import b` in a script names module a.b or an attribute of a: the graph says which
+    entry = [m for m in (script_modules(script) if script is not None else []) if m in graph]
+    return sorted(module_file(m, root) for m in closure([*entry, *modules], root))

@@ -1,0 +1,151 @@
+"""Code inputs derived from imports (fedcore/code_inputs.py): a default training job's are exactly the fedcore files
+the job imports, measured in a fresh process; so an edit to any file it imports reruns it, and an edit to any other
+file reruns nothing (tests/test_workflow.py shows both on Snakemake itself)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedcore.artifacts import artifact_module
+from fedcore.artifacts.select_queries import compute_select_queries
+from fedcore.backbones.pretrain import objective_module
+from fedcore.code_inputs import code_files, import_graph, script_modules
+from fedcore.config import load_config
+from fedcore.methods import method_module
+from fedcore.methods.sgpt import QUERY
+from fedcore.partition.registry import scheme_modules
+from fedcore.plan import plan_run
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "workflow" / "scripts"
+# imported by the scripts' helpers _log.py and _gpu.py only: where a job logs and which GPU it takes change none of
+# its outputs, so they are no code inputs (an edit to them reruns nothing)
+GLUE = {"joblog.py", "runtime/gpu_slots.py"}
+
+# Run in a fresh interpreter: first workflow/scripts/train.py itself, as Snakemake runs it (a `snakemake` object), on a
+# tiny SGPT run that reads its Select queries; then, per (method, artifact keys), fedcore.train (what the script
+# imports) and the run's plug-ins by the paths a run loads them (method_class, load_artifact), from no fedcore module
+# loaded. Prints the fedcore files loaded after each, relative to the package.
+PROBE = r"""
+import importlib, json, runpy, sys, types
+from pathlib import Path
+
+spec = json.loads(sys.argv[1])
+
+class Named(dict):
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+def loaded():
+    root = Path(sys.modules["fedcore"].__file__).parent
+    return sorted(str(Path(m.__file__).relative_to(root)) for n, m in list(sys.modules.items())
+                  if (n == "fedcore" or n.startswith("fedcore.")) and getattr(m, "__file__", None))
+
+def purge():
+    for name in [n for n in sys.modules if n == "fedcore" or n.startswith("fedcore.")]:
+        del sys.modules[name]
+
+run = spec["run"]
+snakemake = types.SimpleNamespace(
+    input=Named(run["input"]), output=Named(run["output"]), params=Named(run["params"]), log=[],
+    resources=Named(gpu=0), threads=1, scriptdir=run["scriptdir"], wildcards=Named())
+runpy.run_path(run["script"], init_globals={"snakemake": snakemake}, run_name="__main__")
+out = {"run": loaded()}
+for key, (method, artifacts) in spec["imports"].items():
+    purge()
+    importlib.import_module("fedcore.train")
+    importlib.import_module("fedcore.methods").method_class(method)
+    for artifact in artifacts:
+        try:  # imports the kind's module, then finds no file
+            importlib.import_module("fedcore.artifacts").load_artifact(artifact, "/nonexistent.npz", 0, 0, "cpu")
+        except FileNotFoundError:
+            pass
+    out[key] = loaded()
+print(json.dumps(out))
+"""
+
+
+def _derived(*modules: str, script: str = "train.py") -> set[str]:
+    return {str(f) for f in code_files(*modules, script=SCRIPTS / script)}
+
+
+@pytest.fixture(scope="module")
+def default_plans():
+    """The plan of every training job of the default configuration."""
+    cfg = load_config(yaml.safe_load((ROOT / "config" / "config.yaml").read_text()), ROOT)
+    return [plan_run(cfg, r["experiment"], r["method"], r["seed"]) for r in cfg.runs()]
+
+
+def _sgpt_job(files: dict, out: Path) -> dict:
+    """A tiny SGPT training job's script, inputs, outputs and params (rules/train.smk's shape)."""
+    params = {"groups": 2, "shared_blocks": [0], "group_blocks": [1], "select_block": 1}
+    compute_select_queries(files["dataset"], "vit_mini", files["weights"], 1, out / "q.npz", device="cpu")
+    cfg = {"paper": "sgpt", "method": "sgpt", "method_params": params, "final_window": 1,
+           "federation": {"rounds": 1, "participation": 0.5, "local_epochs": 1, "batch_size": 32},
+           "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
+           "evaluation": {"global_test": "pooled_local"}}
+    identity = {"paper": "sgpt", "experiment": "tiny", "method": "sgpt", "scale": "mini", "dataset": "synthetic",
+                "seed": 0}
+    return {"script": str(SCRIPTS / "train.py"), "scriptdir": str(SCRIPTS),
+            "input": {"dataset": str(files["dataset"]), "partition": str(files["partition"]),
+                      "backbone": str(files["weights"]), f"artifact_{QUERY}": str(out / "q.npz"), "code": []},
+            "output": {"metrics": str(out / "m.parquet"), "final": str(out / "f.pt")},
+            "params": {"cfg": cfg, "identity": identity, "arch": "vit_mini", "sha256": None,
+                       "checkpoint": str(out / "ckpt.pt"), "log_history": None, "device": "cpu", "threads": 1},
+            "modules": [method_module("sgpt"), artifact_module("cls_block1")]}
+
+
+def test_default_training_jobs_import_exactly_their_code_inputs(default_plans, tiny_run_files, tmp_path):
+    """Every default training job's derived code inputs equal the fedcore files that loading its run imports, and
+    a whole (tiny) training job, its workflow script included, imports its code inputs and the scripts' glue."""
+    kinds = {p.modules: (p.params["method"], sorted(set(p.artifacts.values()))) for p in default_plans}
+    job = _sgpt_job(tiny_run_files, tmp_path)
+    spec = {"run": job, "imports": {"|".join(k): v for k, v in kinds.items()}}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(spec)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads(proc.stdout.splitlines()[-1])
+    assert set(measured.pop("run")) == _derived(*job["modules"]) | GLUE
+    for p in default_plans:
+        assert set(measured["|".join(p.modules)]) == _derived(*p.modules), (p.experiment, p.identity["method"])
+    # what the default runs import: engine, backbones, the run's method alone; never another method or the report
+    union = set().union(*map(set, measured.values()))
+    assert "backbones/plain_vit.py" in union and "engine/loop.py" in union and "methods/sgpt.py" in union
+    assert not {f for f in union if f.startswith(("report/", "analysis/")) or f in ("config.py", "selection.py")}
+
+
+def test_each_jobs_code_is_its_own():
+    """A job's code is its script's imports and its run's plug-ins: another method, artifact kind, objective or the
+    report are not among them."""
+    sgpt = _derived(method_module("sgpt"), artifact_module("cls_block3"))
+    assert {"methods/sgpt.py", "artifacts/select_queries.py", "train.py"} <= sgpt
+    assert not {"methods/fedavg.py", "artifacts/clip_tokens.py", "methods/base.py"} & sgpt
+    assert "methods/base.py" in _derived(method_module("fedavg"))  # a method's own imports come with it
+    features = _derived(artifact_module("cls_block3"), script="features.py")
+    assert "artifacts/select_queries.py" in features and "artifacts/clip_tokens.py" not in features
+    partition = _derived(*scheme_modules(), script="make_partition.py")
+    assert {"partition/schemes/fedotp.py", "partition/plots.py"} <= partition and "train.py" not in partition
+    pretrain = _derived(objective_module("supervised"), script="pretrain_backbone.py")
+    assert "backbones/pretrain/supervised.py" in pretrain and "backbones/pretrain/moco.py" not in pretrain
+    table = _derived(script="make_table.py")
+    assert "report/tables.py" in table and not {f for f in table if f.startswith(("engine/", "backbones/"))}
+
+
+def test_scripts_and_graph_read_as_python_runs_them():
+    """``from fedcore.a import b`` (b a module or a name), relative imports, and imports under TYPE_CHECKING."""
+    assert script_modules(SCRIPTS / "train.py")[0] == "fedcore.train"
+    graph = import_graph()
+    assert "fedcore.estimate" in graph["fedcore.config"]                         # a function's import counts too
+    assert "fedcore.engine.roles" not in graph["fedcore.methods"]                # TYPE_CHECKING's never runs
+    assert all(m in graph for targets in graph.values() for m in targets)
