@@ -100,7 +100,8 @@ def _sgpt_job(files: dict, out: Path) -> dict:
                       "backbone": str(files["weights"]), f"artifact_{QUERY}": str(out / "q.npz"), "code": []},
             "output": {"metrics": str(out / "m.parquet"), "final": str(out / "f.pt")},
             "params": {"cfg": cfg, "identity": identity, "arch": "vit_mini", "sha256": None,
-                       "checkpoint": str(out / "ckpt.pt"), "log_history": None, "device": "cpu", "threads": 1},
+                       "checkpoint": str(out / "ckpt.pt"), "log_history": None, "device": "cpu", "threads": 1,
+                       "compile": None},
             "modules": [method_module("sgpt"), artifact_module("cls_block1")]}
 
 
