@@ -14,6 +14,8 @@ RESOURCES = CFG.top["resources"]
 
 
 include: "rules/common.smk"
+include: "rules/common_probes.smk"
+include: "rules/common_report.smk"
 include: "rules/data.smk"
 include: "rules/backbones.smk"
 include: "rules/partitions.smk"
