@@ -17,6 +17,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from fedcore.io import atomic_path
+from fedcore.report.resolution import exact_resolution
 from fedcore.report.plotting import add_notes, mark_empty, new_figure, set_caption
 
 STAT_KEYS = ("classes", "train", "test", "domains")
@@ -82,7 +83,7 @@ def write_dataset_stats(table: pd.DataFrame, table_cfg: dict, scale: str, out_md
     """Markdown, LaTeX and CSV (the frame itself), atomically."""
     for path, text in ((out_md, render_dataset_stats_markdown(table, table_cfg, scale)),
                        (out_tex, render_dataset_stats_latex(table, table_cfg)),
-                       (out_csv, table.to_csv(index=False))):
+                       (out_csv, exact_resolution(table).to_csv(index=False))):
         with atomic_path(path) as tmp:
             Path(tmp).write_text(text)
 

@@ -27,6 +27,12 @@
     diff                  ours − paper in the metric's unit; only at scale 'paper', NaN otherwise
     status                ok | not implemented | not configured | missing run | missing metric | not selected
     scale, paper_role     the scale, and 'target' (paper) or 'layout reference only' (mini)
+    paper_std, std_over   the paper's std (FedPFT), and what ours_std spreads over
+    test_images, test_images_of, step, ci95_low, ci95_high, interval, degenerate
+                          the cell's resolution (fedcore/report/resolution.py): the test images behind the number
+                          and which set they are, one image in points, the Wilson 95 % interval (in %) of a
+                          single-seed accuracy, how the cell's spread is given, and its column's flag when every
+                          number of the column is 0 or all are equal
 
 The CSV written by `write_table` is exactly this frame, so it stays machine-readable.
 """
@@ -41,6 +47,8 @@ from typing import Any
 import pandas as pd
 
 from fedcore.io import atomic_path
+from fedcore.report.resolution import (NOT_A_PROPORTION, RESOLUTION_COLUMNS, EvalSizes, cell_test_images,
+                                       resolution_columns)
 
 OK = "ok"
 NOT_IMPLEMENTED = "not implemented"
@@ -104,6 +112,7 @@ TABLE_COLUMNS = [
     "row", "row_label", "column", "col_index", "experiment", "metric", "client", "window",
     "ours", "ours_std", "n_seeds", "rounds_used", "short_window", "incomplete", "untrained",
     "folder_layout", "paper", "diff", "status", "scale", "paper_role", "paper_std", "std_over",
+    *RESOLUTION_COLUMNS,
 ]
 
 
@@ -356,8 +365,10 @@ def check_scale_and_columns(table_cfg: dict, experiments: dict[str, dict], scale
 
 
 def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, dict], scale: str,
-                implemented_methods: set[str]) -> pd.DataFrame:
-    """One row per table cell, in table order, with our number, the paper's, the diff and a status."""
+                implemented_methods: set[str], test_sizes: dict[str, EvalSizes | None] | None = None
+                ) -> pd.DataFrame:
+    """One row per table cell, in table order, with our number, the paper's, the diff, a status and the
+    resolution columns (``test_sizes`` per experiment; without them the cells say the size is not known)."""
     check_scale_and_columns(table_cfg, experiments, scale)
     for col in table_cfg["columns"]:
         metric_key(col)  # fail on a bad metric, client list or round before any work
@@ -365,11 +376,12 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
         check_round(col)
         check_report(experiments[col["experiment"]].get("report") or {})
     labels = table_cfg.get("row_labels") or {}
-    records = []
+    records, clients_of = [], []
     for row in table_cfg["rows"]:
         paper, paper_std = _paper_numbers(table_cfg, row), _paper_numbers(table_cfg, row, "paper_std")
         for j, col in enumerate(table_cfg["columns"]):
             method, col = row_source(table_cfg, row, col)
+            clients_of.append(column_clients(col))
             cell = build_cell(metrics, method, col, experiments[col["experiment"]], scale, implemented_methods)
             paper_j = math.nan if paper[j] is None else paper[j]
             diff = cell["ours"] - paper_j if scale == "paper" else math.nan
@@ -377,11 +389,15 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
                             "col_index": j, **cell, "paper": paper_j, "diff": diff,
                             "scale": scale, "paper_role": PAPER_ROLE[scale],
                             "paper_std": math.nan if paper_std[j] is None else paper_std[j]})
-    table = pd.DataFrame.from_records(records, columns=TABLE_COLUMNS)
-    return table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64",
-                         "rounds_used": "Int64", "ours": "float64", "ours_std": "float64",
-                         "paper": "float64", "diff": "float64", "paper_std": "float64", "short_window": "bool",
-                         "incomplete": "bool", "untrained": "bool", "folder_layout": "bool"})
+    table = pd.DataFrame.from_records(records, columns=TABLE_COLUMNS[:-len(RESOLUTION_COLUMNS)])
+    table = table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64",
+                          "rounds_used": "Int64", "ours": "float64", "ours_std": "float64",
+                          "paper": "float64", "diff": "float64", "paper_std": "float64", "short_window": "bool",
+                          "incomplete": "bool", "untrained": "bool", "folder_layout": "bool"})
+    sizes = [cell_test_images(c.metric, c.client, clients, (test_sizes or {}).get(c.experiment))
+             if metric_factor({"metric": c.metric}) == PERCENT else (None, NOT_A_PROPORTION)
+             for c, clients in zip(table.itertuples(), clients_of, strict=True)]
+    return resolution_columns(table, sizes, int(table_cfg.get("decimals", 2)))
 
 
 # ----------------------------------------------------------------------------------------------

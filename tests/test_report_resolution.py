@@ -1,0 +1,79 @@
+"""The resolution of the tables' numbers: test images per cell, Wilson intervals, degenerate columns."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fedcore.partition import Partition
+from fedcore.report.resolution import (ALL_EQUAL, ALL_ZERO, NOT_A_PROPORTION, RESOLUTION_COLUMNS, SEED_STD, WILSON,
+                                       EvalSizes, cell_test_images, eval_sizes, wilson_interval)
+from fedcore.report.tables import TABLE_COLUMNS, build_table, render_csv
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    lo, hi = wilson_interval(0.5, 100)
+    assert (lo, hi) == pytest.approx((0.40383, 0.59617), abs=1e-5)
+    lo, hi = wilson_interval(0.0, 31)                 # SGPT's Five-dataset worst local: 0 of 31 images
+    assert lo == 0.0 and hi == pytest.approx(3.8415 / (31 + 3.8415), abs=1e-5)   # z² / (n + z²)
+    assert wilson_interval(1.0, 10)[1] == pytest.approx(1.0) and math.isnan(wilson_interval(0.3, 0)[0])
+
+
+def test_test_sizes_from_a_partition(tmp_path):
+    # two clients sharing image 2: the pooled global set counts it once
+    part = Partition([np.array([0]), np.array([1])], [np.array([0, 1, 2]), np.array([2, 3])], {"scheme": "x"}, 0)
+    part.save(tmp_path / "p.npz")
+    assert eval_sizes(tmp_path / "p.npz", "pooled_local", None) == EvalSizes((3, 2), 4)
+    assert eval_sizes(tmp_path / "p.npz", "official_test", 315) == EvalSizes((3, 2), 315)
+
+
+@pytest.mark.parametrize("metric, client, clients, n", [
+    ("global_acc", -1, None, 40), ("global_acc_min", -1, None, 40), ("local_acc", -1, None, 45),
+    ("worst_local_acc", -1, None, 10), ("client_acc", 1, None, 15), ("client_acc", -1, [0, 2], 30),
+    ("upload_numbers", -1, None, None),
+])
+def test_each_metric_counts_its_own_test_set(metric, client, clients, n):
+    got, what = cell_test_images(metric, client, clients, EvalSizes((20, 15, 10), 40))
+    assert got == n and what
+    assert cell_test_images("global_acc", -1, None, None)[0] is None
+
+
+def _metrics(values: dict[tuple[str, int], list[float]]) -> pd.DataFrame:
+    """Final-round global accuracies of methods a, b, c (one value per seed)."""
+    return pd.DataFrame([{"paper": "p", "experiment": "e", "method": m, "scale": "mini", "dataset": "d", "seed": s,
+                          "round": 1, "client": -1, "split": "global", "metric": "acc", "value": v}
+                         for (m, _), vals in values.items() for s, v in enumerate(vals)])
+
+
+TABLE = {"caption": "T", "rows": ["a", "b", "c"],
+         "columns": [{"label": "acc", "experiment": "e", "metric": "global_acc"},
+                     {"label": "up", "experiment": "e", "metric": "upload_numbers"}]}
+EXPS = {"e": {"methods": ["a", "b", "c"], "report": {"window": "last", "rounds": 1}, "rounds": 1}}
+
+
+def test_table_cells_carry_their_resolution_and_the_csv_has_its_columns():
+    metrics = _metrics({("a", 0): [0.5], ("b", 0): [0.25, 0.35], ("c", 0): [0.0]})
+    table = build_table(metrics, TABLE, EXPS, "mini", {"a", "b", "c"}, {"e": EvalSizes((50, 50), 100)})
+    acc = table.loc[table["column"] == "acc"].set_index("row")
+    assert list(acc["test_images"]) == [100, 100, 100] and acc.loc["a", "step"] == pytest.approx(1.0)
+    assert acc.loc["a", "interval"] == WILSON
+    assert (acc.loc["a", "ci95_low"], acc.loc["a", "ci95_high"]) == pytest.approx((40.383, 59.617), abs=1e-3)
+    assert acc.loc["b", "interval"] == SEED_STD and math.isnan(acc.loc["b", "ci95_low"])
+    up = table.loc[table["column"] == "up"]
+    assert set(up["test_images_of"]) == {NOT_A_PROPORTION} and up["test_images"].isna().all()
+    csv = pd.read_csv(__import__("io").StringIO(render_csv(table)))
+    assert list(csv.columns) == TABLE_COLUMNS and set(RESOLUTION_COLUMNS) <= set(csv.columns)
+
+
+def test_degenerate_columns_are_flagged():
+    zero = build_table(_metrics({("a", 0): [0.0], ("b", 0): [0.0], ("c", 0): [0.0]}), TABLE, EXPS, "mini",
+                       {"a", "b", "c"})
+    assert set(zero.loc[zero["column"] == "acc", "degenerate"]) == {ALL_ZERO}
+    equal = build_table(_metrics({("a", 0): [0.3], ("b", 0): [0.3], ("c", 0): [0.3]}), TABLE, EXPS, "mini",
+                        {"a", "b", "c"})
+    assert set(equal.loc[equal["column"] == "acc", "degenerate"]) == {ALL_EQUAL}
+    mixed = build_table(_metrics({("a", 0): [0.3], ("b", 0): [0.0], ("c", 0): [0.3]}), TABLE, EXPS, "mini",
+                        {"a", "b", "c"})
+    assert set(mixed["degenerate"]) == {""}
