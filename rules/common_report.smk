@@ -116,7 +116,7 @@ def table_inputs(wildcards):
     if kind_input == "datasets":
         return {"datasets": report_bundles(table), "code": REPORT_CODE}
     return {kind_input: report_data(wildcards.name, kind_input), "bundles": folder_layout_bundles(table),
-            "code": REPORT_CODE}
+            "partitions": [x["partition"] for x in table_eval_sets(wildcards.name).values()], "code": REPORT_CODE}
 
 
 def figure_inputs(wildcards):
@@ -140,3 +140,25 @@ def figure_personalized(wildcards):
 def all_claim_reports():
     return [f"{RESULTS}/report/{p}_{what}.{ext}" for p in CFG.top["papers"] for what in ("claims", "scorecard")
             for ext in ("csv", "md")]
+
+
+def table_eval_sets(name):
+    """Per experiment of a metrics table that has a selected run: the first seed's partition file, its global test
+    set and the dataset's official test size (None: not known before the data is built); the table's resolution
+    columns count each cell's test images from them."""
+    from fedcore.data.facts import FACTS
+    from fedcore.selection import table_run_list
+
+    table = CFG.tables[name]
+    if table.get("kind", "metrics") != "metrics":
+        return {}
+    out = {}
+    for exp, method in table_run_list(table):
+        x = CFG.experiments.get(exp)
+        if exp in out or x is None or method not in x["methods"] or not CFG.is_selected(exp, method):
+            continue
+        facts = FACTS.get(x["dataset"])
+        out[exp] = {"partition": partition_file(exp, CFG.seeds[0]),
+                    "global_test": x["evaluation"].get("global_test", "pooled_local"),
+                    "official_size": facts.test.size if facts else None}
+    return out

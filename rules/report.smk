@@ -31,6 +31,7 @@ rule table:
         experiments=CFG.report_view(),
         scale=SCALE,
         implemented=CFG.implemented_methods(),
+        eval_sets=lambda wc: table_eval_sets(wc.name),
     log:
         f"{RESULTS}/logs/table/{{name}}.log",
     script:

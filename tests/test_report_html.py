@@ -45,32 +45,75 @@ def _rows(html_text: str) -> list[list[tuple[str, str, dict]]]:
     return parser.rows
 
 
+class Spans(HTMLParser):
+    """The text of every <span> inside a table cell, by row: (cell index, span class, text)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[tuple[int, str, str]]] = []
+        self._cell, self._span = -1, None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr":
+            self.rows.append([])
+            self._cell = -1
+        elif tag in ("td", "th"):
+            self._cell += 1
+        elif tag == "span" and self.rows:
+            self._span = [dict(attrs).get("class", ""), ""]
+
+    def handle_data(self, data):
+        if self._span is not None:
+            self._span[1] += data
+        elif self.rows and data.strip() and self._cell >= 0:
+            self.rows[-1].append((self._cell, "text", data.strip()))
+
+    def handle_endtag(self, tag):
+        if tag == "span" and self._span is not None:
+            self.rows[-1].append((self._cell, self._span[0], self._span[1].strip()))
+            self._span = None
+
+
 @pytest.mark.parametrize("scale", ["mini", "paper"])
-def test_table_page_puts_ours_beside_the_papers_and_the_difference_at_paper_scale(tmp_path: Path, scale):
+def test_table_page_puts_ours_above_the_papers_and_the_difference_at_paper_scale(tmp_path: Path, scale):
     table = build_table(sample_metrics(scale), TABLE_CFG, EXPERIMENTS, scale, IMPLEMENTED)
     out = [tmp_path / "t.md", tmp_path / "t.tex", tmp_path / "t.csv", tmp_path / "t.html"]
     write_table(table, TABLE_CFG, scale, *out)
     page = out[3].read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>") and "<style>" in page and "<script" not in page
     rows = _rows(page)
-    subs = ["ours", "paper", "Δ"] if scale == "paper" else ["ours", "paper (layout ref.)"]
-    assert [(c[1], c[2].get("colspan")) for c in rows[0][1:3]] == [("A Global", str(len(subs))),
-                                                                 ("A Worst", str(len(subs)))]
-    assert [c[1] for c in rows[1][:len(subs)]] == subs
-    body = {r[0][1]: r for r in rows[2:]}
+    assert [c[1] for c in rows[0]] == ["Method"] + [c["label"] for c in TABLE_CFG["columns"]]  # one per column
+    parser = Spans()
+    parser.feed(page)
+    body = {r[0][2]: r for r in parser.rows[1:] if r and r[0][1] == "text"}   # [0]: the header
     assert list(body) == ["fedavg", "head_tune", "fedvpt", "local", "sgpt"]
-    fedavg = [c[1] for c in body["fedavg"][1:1 + len(subs)]]
-    assert fedavg[0] == "72.00 ± 2.00" and fedavg[1] == "80.00"
+    fedavg = [(cls, text) for cell, cls, text in body["fedavg"] if cell == 1]
+    assert fedavg[:2] == [("ours", "72.00 ± 2.00"), ("paper", "80.00")]
     if scale == "paper":
-        assert fedavg[2] == "-8.00" and MINI_NOTE not in page
+        assert fedavg[2] == ("diff", "Δ -8.00") and MINI_NOTE not in page
     else:
-        assert MINI_NOTE in page
-    sgpt = body["sgpt"][1]
-    assert sgpt[1] == "not implemented" and "missing" in sgpt[2]["class"]
+        assert len(fedavg) == 2 and MINI_NOTE in page
+    assert ("ours missing", "not implemented") in [(cls, text) for cell, cls, text in body["sgpt"] if cell == 1]
     # every number of the Markdown table is on the page
     md_numbers = {c.strip().strip("*") for line in out[0].read_text().splitlines()
                   if line.startswith("| ") and not line.startswith("| Method") for c in line.split("|")[2:-1]}
-    assert md_numbers <= {c[1] for r in rows[2:] for c in r[1:]}
+    shown = {text.removeprefix("Δ ") for r in parser.rows for _, _, text in r}
+    assert md_numbers <= shown
+
+
+def test_a_wide_table_is_split_into_parts_that_repeat_the_row_labels():
+    from fedcore.report.table_html import column_parts
+
+    assert [list(p) for p in column_parts(12, 8)] == [list(range(6)), list(range(6, 12))]
+    assert [len(p) for p in column_parts(9, 8)] == [5, 4] and [len(p) for p in column_parts(8, 8)] == [8]
+    wide = {**TABLE_CFG, "columns": TABLE_CFG["columns"] * 2}    # 10 columns
+    wide["paper"] = {r: v * 2 for r, v in TABLE_CFG["paper"].items()}
+    table = build_table(sample_metrics("mini"), wide, EXPERIMENTS, "mini", IMPLEMENTED)
+    from fedcore.report.tables import render_html
+
+    page = render_html(table, wide, "mini")
+    assert page.count("<table>") == 2 and "Part 1 of 2" in page and "Part 2 of 2" in page
+    assert page.count('<td class="label">fedavg</td>') == 2
 
 
 def test_inventory_tells_present_incomplete_and_missing_runs_and_empty_cells(tmp_path: Path):

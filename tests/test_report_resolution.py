@@ -77,3 +77,27 @@ def test_degenerate_columns_are_flagged():
     mixed = build_table(_metrics({("a", 0): [0.3], ("b", 0): [0.0], ("c", 0): [0.3]}), TABLE, EXPS, "mini",
                         {"a", "b", "c"})
     assert set(mixed["degenerate"]) == {""}
+
+
+def test_rows_identical_in_every_cell_get_a_note_with_the_configured_reason():
+    from fedcore.report.table_notes import identical_notes, identical_rows
+
+    two = {**TABLE, "columns": [TABLE["columns"][0], {**TABLE["columns"][0], "label": "acc2"}]}
+    table = build_table(_metrics({("a", 0): [0.30001], ("b", 0): [0.3], ("c", 0): [0.5]}), two, EXPS, "mini",
+                        {"a", "b", "c"})
+    [(a, b, n, gap)] = identical_rows(table)
+    assert (a, b, n) == ("a", "b", 2) and gap == pytest.approx(1e-3)       # equal as shown (2 decimals)
+    notes = identical_notes(table, {**two, "identical_rows": [{"rows": ["b", "a"], "why": "B is A here."}]})
+    assert notes == ["a and b: the same numbers as shown (largest difference 0.001) in all 2 cells where both "
+                     "have one. Why: B is A here."]
+    assert "No reason is recorded" in identical_notes(table, two)[0]
+    assert identical_rows(table.assign(ours=[30.0, 30.0, 31.0, 31.5, 50.0, 50.0])) == []
+
+
+def test_the_reported_round_and_a_test_set_selection_are_said():
+    from fedcore.report.table_notes import round_note
+
+    assert round_note({}) is None
+    note = round_note({"reported_round": {"paper": "the best round", "source": "§4.1", "test_selected": True}})
+    assert note.startswith("The paper reports the best round (§4.1)") and "on the test set" in note
+

@@ -22,7 +22,7 @@ SCALE_CAPTIONS = {
 
 CSS = """
 body { font-family: "DejaVu Sans", Helvetica, Arial, sans-serif; font-size: 13px; color: #222; margin: 12px; }
-p.caption { font-size: 14px; margin: 0 0 10px 0; max-width: 1100px; }
+p.caption { font-size: 14px; margin: 0 0 6px 0; max-width: 1000px; }
 table { border-collapse: collapse; margin: 6px 0 10px 0; }
 th, td { border: 1px solid #c8c8c8; padding: 2px 5px; }
 th { background: #eef1f5; font-weight: 600; text-align: center; white-space: nowrap; }
@@ -33,13 +33,24 @@ td.paper { color: #555; background: #fafafa; }
 td.diff { color: #444; font-style: italic; }
 td.missing { color: #b00; }
 tbody tr:hover td { background: #fff8d8; }
-.notes { font-size: 12px; color: #444; max-width: 1100px; }
+.notes { font-size: 12px; color: #444; max-width: 1000px; }
 .notes p { margin: 2px 0; }
 h1 { font-size: 20px; } h2 { font-size: 17px; margin-top: 22px; } h3 { font-size: 15px; }
 code { background: #f3f3f3; padding: 0 2px; }
 .toc { font-size: 12px; } .toc ul { margin: 2px 0; }
 li { margin: 1px 0; }
 body { overflow-wrap: anywhere; }
+th.col { white-space: normal; min-width: 4.5em; max-width: 8.5em; vertical-align: bottom; }
+tr.res th { font-weight: normal; font-size: 11px; color: #555; background: #f6f7f9; }
+th .flag { color: #a35200; font-weight: normal; font-size: 11px; }
+td.cell { text-align: right; line-height: 1.25; }
+td.cell span { display: block; white-space: nowrap; }
+td.cell span.paper { color: #777; font-size: 11px; }
+td.cell span.diff { color: #444; font-size: 11px; font-style: italic; }
+td.cell span.missing { color: #b00; }
+span.ours[title] { cursor: help; }
+p.legend { font-size: 12px; color: #444; margin: 0 0 6px 0; max-width: 1000px; }
+p.part { font-size: 12px; font-weight: 600; margin: 10px 0 2px 0; }
 """
 
 

@@ -149,8 +149,13 @@ def render_table(table_cfg: dict, inputs: Mapping[str, Any], out_md: str | os.Pa
             table = build_probe_table(read_probe_rows(path), table_cfg, context["experiments"], scale,
                                       set(context["implemented"]))
         else:
+            from fedcore.report.resolution import eval_sizes
+
             experiments = mark_folder_layout(context["experiments"], inputs.get("bundles", []))
-            table = build_table(pd.read_parquet(path), table_cfg, experiments, scale, set(context["implemented"]))
+            sizes = {e: eval_sizes(x["partition"], x["global_test"], x["official_size"])
+                     for e, x in (context.get("eval_sets") or {}).items()}
+            table = build_table(pd.read_parquet(path), table_cfg, experiments, scale, set(context["implemented"]),
+                                sizes)
         write_table(table, table_cfg, scale, out_md, out_tex, out_csv, out_html)
         return
     if kind == "dataset_stats":

@@ -47,6 +47,7 @@ from typing import Any
 import pandas as pd
 
 from fedcore.io import atomic_path
+from fedcore.report import table_notes
 from fedcore.report.resolution import (NOT_A_PROPORTION, RESOLUTION_COLUMNS, EvalSizes, cell_test_images,
                                        resolution_columns)
 
@@ -510,6 +511,9 @@ def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) ->
         cols = ", ".join(table.loc[over_clients, "column"].drop_duplicates())
         notes.append(f"Columns {cols}: mean ± std over the column's clients (std ddof=0, as the official code's "
                      "np.std) of each client's accuracy, averaged over seeds first.")
+    cfg = table_cfg or {}
+    if table_notes.round_note(cfg):
+        notes.append(table_notes.round_note(cfg))
     cells = table.drop_duplicates(["experiment", "window"])
     windows = cells.groupby("window", sort=False)["experiment"].apply(list)
     for window, exps in windows.items():
@@ -520,6 +524,9 @@ def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) ->
         else:
             what = f"value at the {window}"
         notes.append(f"Report window ({', '.join(exps)}): {what} of each seed's run.")
+    if "test_images" in table:
+        notes += table_notes.resolution_notes(table) + table_notes.degenerate_notes(table)
+    notes += table_notes.identical_notes(table, cfg)
     if table["paper"].isna().any():
         notes.append(f"{NO_PAPER} = the paper reports no such cell.")
     if table["short_window"].any():
@@ -535,7 +542,7 @@ def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) ->
                      "train/test split (allow_folder_layout: true), not the FedBN pickles the papers used.")
     present = [s for s in STATUS_NOTES if (table["status"] == s).any()]
     if present:
-        notes.append("Empty cells: " + "; ".join(STATUS_NOTES[s] for s in present) + ".")
+        notes.append("Cells without a number: " + "; ".join(STATUS_NOTES[s] for s in present) + ".")
     how = (table_cfg or {}).get("best", "max")
     if (table["status"] == OK).any() and how != "none":
         where = "row" if (table_cfg or {}).get("best_in") == "row" else "column"
@@ -620,35 +627,16 @@ def render_latex(table: pd.DataFrame, table_cfg: dict, scale: str, label: str | 
 
 
 def render_html(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
-    """An HTML fragment: caption and scale note, the table with each column's ours / paper (/ Δ at paper scale)
-    side by side under the column's label, and the footnotes."""
+    """An HTML fragment for the report (fedcore/report/table_html.py): caption and scale note, each cell ours above
+    the paper's (and Δ at paper scale), a row of test images per column, parts when wide, and the footnotes."""
     import html
 
-    from fedcore.report.html_pages import inline_markdown
+    from fedcore.report.table_html import render_table_html
 
-    esc = lambda t: html.escape(str(t), quote=False)  # noqa: E731
-    subs = _subheaders(scale)
-    cols = _column_labels(table)
-    attr_cols, attr_rows = _row_attributes(table_cfg, table)
-    labels, grid = _grid(table, scale, table_cfg)
-    classes = ["ours", "paper", "diff"][:len(subs)]
-    head1 = ['<th class="label" rowspan="2">Method</th>'] + [f'<th rowspan="2">{esc(a)}</th>' for a in attr_cols]
-    head1 += [f'<th colspan="{len(subs)}">{esc(c)}</th>' for c in cols]
-    head2 = [f"<th>{esc(sub)}</th>" for _ in cols for sub in subs]
-    body = []
-    for label, attrs, entries in zip(labels, attr_rows, grid):
-        cells = [f'<td class="label">{esc(label)}</td>'] + [f'<td class="attr">{esc(a)}</td>' for a in attrs]
-        for i, (text, bold) in enumerate(entries):
-            cls = classes[i % len(subs)]
-            if cls == "ours" and text in STATUS_NOTES:  # no number: the reason, in red
-                cls += " missing"
-            inner = f"<strong>{esc(text)}</strong>" if bold else esc(text)
-            cells.append(f'<td class="{cls}">{inner}</td>')
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    caption = f"<strong>{esc(table_cfg.get('caption', ''))}</strong> {esc(scale_note(scale, _percent_only(table)))}"
-    notes = "".join(f"<p>{inline_markdown(n)}</p>" for n in footnotes(table, scale, table_cfg))
-    return (f'<p class="caption">{caption}</p>\n<table>\n<thead>\n<tr>{"".join(head1)}</tr>\n<tr>{"".join(head2)}</tr>\n'
-            f'</thead>\n<tbody>\n' + "\n".join(body) + f'\n</tbody>\n</table>\n<div class="notes">{notes}</div>')
+    caption = (f"<strong>{html.escape(table_cfg.get('caption', ''), quote=False)}</strong> "
+               f"{html.escape(scale_note(scale, _percent_only(table)), quote=False)}")
+    return render_table_html(table, table_cfg, scale, _grid(table, scale, table_cfg), _row_attributes(table_cfg, table),
+                             caption, footnotes(table, scale, table_cfg))
 
 
 def render_csv(table: pd.DataFrame) -> str:
