@@ -35,3 +35,4 @@ rule all:
         all_partition_summaries(),
         all_claim_reports(),
         all_report_pages(),
+        all_report_items(),

@@ -1,6 +1,7 @@
 # Input functions, captions and code lists of the report rules (rules/report.smk, rules/claims.smk): Snakemake's
 # linter wants functions apart from the rules that use them.
-from fedcore.report.html_pages import paper_title, report_caption
+from fedcore.report.html_pages import (copy_page, output_description, output_title, paper_title, report_caption,
+                                       report_category, title_key)
 from fedcore.report.inventory import configured_runs, method_labels, unbuilt_outputs
 from fedcore.data.sources import FOLDER_LAYOUT_DATASETS
 from fedcore.report.render import figure_input, personalized_flags, table_input
@@ -22,46 +23,103 @@ if DEVIATIONS_MD.resolve().is_relative_to(Path.cwd().resolve()):
     DEVIATIONS_MD = DEVIATIONS_MD.resolve().relative_to(Path.cwd().resolve())
 
 
+def report_papers():
+    """The loaded papers with experiments, in the report's order."""
+    have = [p for p in CFG.top["papers"] if any(x["paper"] == p for x in CFG.experiments.values())]
+    return sorted(have, key=lambda p: report_category(p))
+
+
 def all_report_pages():
     """The report's pages besides tables and figures: each paper's run inventory (and listed Markdown pages),
-    and the deviations."""
-    papers = [p for p in CFG.top["papers"] if any(x["paper"] == p for x in CFG.experiments.values())]
+    the deviations and the summary."""
+    papers = report_papers()
     return ([f"{RESULTS}/report/{p}_runs.html" for p in papers]
             + [f"{RESULTS}/report/{p}_{page}.html" for p in papers for page in REPORT_MARKDOWN_PAGES]
-            + [f"{RESULTS}/report/deviations.html"])
+            + [f"{RESULTS}/report/deviations.html", f"{RESULTS}/report/summary.html"])
 
 
-def table_section(wildcards):
-    """A table's report category: its paper."""
-    return paper_title(CFG.tables[wildcards.name]["source_paper"])
+def all_report_items():
+    """Every item of the HTML report: a page per built table and figure and per paper page (results/report/items)."""
+    return ([f"{RESULTS}/report/items/tables/{t}.html" for t in CFG.tables if t in CFG.outputs]
+            + [f"{RESULTS}/report/items/figures/{f}.html" for f in CFG.figures if f in CFG.outputs]
+            + [f"{RESULTS}/report/items/report/{Path(p).stem}.html" for p in all_report_pages()
+               if not p.endswith("/summary.html")])
 
 
-def figure_section(wildcards):
-    """A figure's report category: its paper."""
-    return paper_title(CFG.figures[wildcards.name]["source_paper"])
+PAGE_KINDS = {"runs": "Runs", **REPORT_MARKDOWN_PAGES}  # a paper page's name suffix -> its subcategory
 
 
-def paper_section(wildcards):
-    """A per-paper page's report category."""
-    return paper_title(wildcards.paper)
+def _page_of(name):
+    """(paper or None, page kind) of a results/report page name ('sgpt_claims', 'deviations')."""
+    if name == "deviations":
+        return None, "deviations"
+    paper, _, kind = name.partition("_")
+    return paper, kind
 
 
-def table_caption(wildcards):
-    return report_caption(CFG.tables[wildcards.name]["caption"], SCALE)
+def _outputs_of(kind, paper):
+    """The built tables (kind tables) or figures of a paper, in the order of their titles."""
+    entries = CFG.tables if kind == "tables" else CFG.figures
+    names = [n for n, x in entries.items() if x["source_paper"] == paper and n in CFG.outputs]
+    return sorted(names, key=lambda n: title_key(output_title(entries[n]["caption"], n)))
 
 
-def figure_caption(wildcards):
-    return report_caption(CFG.figures[wildcards.name]["caption"], SCALE)
+def item_category(wildcards):
+    """A report item's section: its paper (numbered in the report's order), or the deviations."""
+    if wildcards.folder == "report":
+        return report_category(_page_of(wildcards.name)[0])
+    entries = CFG.tables if wildcards.folder == "tables" else CFG.figures
+    return report_category(entries[wildcards.name]["source_paper"])
+
+
+def item_subcategory(wildcards):
+    """Tables, Figures, or the paper page's kind (Runs, Claim check, Scorecard); the deviations have none."""
+    if wildcards.folder == "report":
+        paper, kind = _page_of(wildcards.name)
+        return None if paper is None else PAGE_KINDS[kind]
+    return wildcards.folder.capitalize()
+
+
+def item_labels(wildcards):
+    """The columns a report listing shows for an item: its number in title order, its title and what it shows."""
+    if wildcards.folder == "report":
+        paper, kind = _page_of(wildcards.name)
+        title = "DEVIATIONS.md" if paper is None else f"{paper_title(paper)}: {PAGE_KINDS[kind]}"
+        return {"no.": "1", "title": title, "what": item_what(wildcards)}
+    entries = CFG.tables if wildcards.folder == "tables" else CFG.figures
+    entry = entries[wildcards.name]
+    number = _outputs_of(wildcards.folder, entry["source_paper"]).index(wildcards.name) + 1
+    return {"no.": f"{number:02d}", "title": output_title(entry["caption"], wildcards.name),
+            "what": output_description(entry["caption"])}
+
+
+ITEM_WHAT = {"runs": "which configured runs have metrics, which are incomplete, missing or not selected, and which "
+                     "table cells have no number (and why)",
+             "claims": "the paper's headline claims checked on our tables",
+             "scorecard": "per table: cells configured, with a run, and why the others have none",
+             "deviations": "every choice where a paper is silent and every departure from a paper or its code, "
+                           "with measurements"}
+
+
+def item_what(wildcards):
+    return ITEM_WHAT[_page_of(wildcards.name)[1]]
+
+
+def item_caption(wildcards):
+    """The caption Snakemake's report shows for an item (its info panel): the config's caption, or what the page
+    holds, and the scale."""
+    if wildcards.folder == "report":
+        paper, kind = _page_of(wildcards.name)
+        who = "DEVIATIONS.md" if paper is None else f"{paper_title(paper)}: {PAGE_KINDS[kind]}"
+        return report_caption(f"{who}: {ITEM_WHAT[kind]}.", SCALE)
+    entries = CFG.tables if wildcards.folder == "tables" else CFG.figures
+    return report_caption(entries[wildcards.name]["caption"], SCALE)
 
 
 def paper_table_csvs(wildcards):
     """The CSVs of a paper's tables that this run builds (the inventory lists their cells without a number)."""
     return [f"{RESULTS}/tables/{t}.csv" for t, x in CFG.tables.items()
             if x["source_paper"] == wildcards.paper and t in CFG.outputs]
-
-
-def markdown_page_subcategory(wildcards):
-    return REPORT_MARKDOWN_PAGES[wildcards.page]
 
 
 def partition_counts_file(exp, seed):
@@ -162,3 +220,27 @@ def table_eval_sets(name):
                     "global_test": x["evaluation"].get("global_test", "pooled_local"),
                     "official_size": facts.test.size if facts else None}
     return out
+
+
+def summary_paper(paper):
+    """What the summary page states about a paper besides its report files: the benchmark files of its selected
+    training runs, the data its selected runs train on (with the paper's dataset at another scale) and the tables
+    and figures the outputs leave out."""
+    runs = [r for r in CFG.runs() if CFG.experiments[r["experiment"]]["paper"] == paper]
+    bench = [f"{RESULTS}/benchmarks/train/{SCALE}/{r['experiment']}/{r['method']}/seed{r['seed']}.tsv" for r in runs]
+    try:
+        logical = CFG.at_scale("paper").experiments if SCALE != "paper" else {}
+    except Exception:  # noqa: BLE001 - the paper scale's names are a courtesy here; the summary says the concrete ones
+        logical = {}
+    data = {}
+    for r in runs:
+        x = CFG.experiments[r["experiment"]]
+        paper_x = logical.get(r["experiment"], {})
+        names = [f"{x['dataset']}" + (f" (for {paper_x['dataset']})" if paper_x.get("dataset") not in (None, x["dataset"])
+                                      else ""),
+                 f"{x['backbone']}" + (f" (for {paper_x['backbone']})" if paper_x.get("backbone") not in (None, x["backbone"])
+                                       else "")]
+        data[" on ".join(names)] = None
+    entries = {**CFG.tables, **CFG.figures}
+    unbuilt = [output_title(entries[n]["caption"], n) for n in unbuilt_outputs(CFG, paper)]
+    return {"paper": paper, "benchmarks": bench, "data": list(data), "unbuilt": unbuilt}

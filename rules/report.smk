@@ -2,7 +2,11 @@
 # probe's output (rules/probes.smk) or from a partition's class counts, each declared as an input so an
 # edit of it reruns the output. The config's `kind` picks the builder (fedcore/report/render.py).
 # `snakemake --report results/report.html` gathers every output wrapped in report(...) below into one HTML
-# page: a section (category) per paper with its Tables, Figures and Runs, and the Choices and deviations.
+# page: the summary on its front page, a section (category) per paper with its Tables, Figures, Runs, Claim check
+# and Scorecard, and the Choices and deviations. Each item is a page of its own under results/report/items (a
+# figure with its caption under it; a copy of a table or page), built by a job whose only params are its caption:
+# the report's info panel shows a job's params, and the jobs that build the tables carry whole config sections.
+localrules: report_copy
 
 
 rule aggregate_metrics:
@@ -23,10 +27,8 @@ rule table:
         md=f"{RESULTS}/tables/{{name}}.md",
         tex=f"{RESULTS}/tables/{{name}}.tex",
         csv=f"{RESULTS}/tables/{{name}}.csv",
-        html=report(f"{RESULTS}/tables/{{name}}.html", caption=ITEM_CAPTION, category=table_section,
-                    subcategory="Tables"),
+        html=f"{RESULTS}/tables/{{name}}.html",
     params:
-        report_caption=table_caption,
         table=lambda wc: CFG.tables[wc.name],
         experiments=CFG.report_view(),
         scale=SCALE,
@@ -42,11 +44,9 @@ rule figure:
     input:
         unpack(figure_inputs),
     output:
-        png=report(f"{RESULTS}/figures/{{name}}.png", caption=ITEM_CAPTION, category=figure_section,
-                   subcategory="Figures"),
+        png=f"{RESULTS}/figures/{{name}}.png",
         pdf=f"{RESULTS}/figures/{{name}}.pdf",
     params:
-        report_caption=figure_caption,
         figure=lambda wc: CFG.figures[wc.name],
         experiments=CFG.report_view(),
         scale=SCALE,
@@ -65,8 +65,7 @@ rule run_inventory:
         tables=paper_table_csvs,
         code=REPORT_CODE,
     output:
-        html=report(f"{RESULTS}/report/{{paper}}_runs.html", caption=ITEM_CAPTION, category=paper_section,
-                    subcategory="Runs"),
+        html=f"{RESULTS}/report/{{paper}}_runs.html",
         csv=f"{RESULTS}/report/{{paper}}_runs.csv",
     wildcard_constraints:
         paper="|".join(CFG.top["papers"]),
@@ -75,9 +74,6 @@ rule run_inventory:
         labels=lambda wc: method_labels(CFG, wc.paper),
         unbuilt=lambda wc: unbuilt_outputs(CFG, wc.paper),
         scale=SCALE,
-        report_caption=lambda wc: report_caption(
-            f"{paper_title(wc.paper)}: which configured runs have metrics, which are incomplete or missing, and "
-            "which table cells have no number (and why).", SCALE),
     log:
         f"{RESULTS}/logs/report/{{paper}}_runs.log",
     script:
@@ -89,13 +85,10 @@ rule deviations_page:
         md=str(DEVIATIONS_MD),
         code=REPORT_CODE,
     output:
-        report(f"{RESULTS}/report/deviations.html", caption=ITEM_CAPTION, category="Choices and deviations"),
+        f"{RESULTS}/report/deviations.html",
     params:
         title="Choices, deviations and measurements",
         toc=True,
-        report_caption=report_caption(
-            "DEVIATIONS.md: every choice where a paper is silent and every departure from a paper or its code, "
-            "with measurements.", SCALE),
     log:
         f"{RESULTS}/logs/report/deviations.log",
     script:
@@ -107,16 +100,71 @@ rule markdown_page:
         md=f"{RESULTS}/report/{{paper}}_{{page}}.md",
         code=REPORT_CODE,
     output:
-        report(f"{RESULTS}/report/{{paper}}_{{page}}.html", caption=ITEM_CAPTION, category=paper_section,
-               subcategory=markdown_page_subcategory),
+        f"{RESULTS}/report/{{paper}}_{{page}}.html",
     wildcard_constraints:
         paper="|".join(CFG.top["papers"]),
         page="|".join(REPORT_MARKDOWN_PAGES) or "(?!)",  # no page listed: the rule matches nothing
     params:
         title=lambda wc: f"{paper_title(wc.paper)}: {REPORT_MARKDOWN_PAGES[wc.page]}",
         toc=False,
-        report_caption=lambda wc: report_caption(f"{paper_title(wc.paper)}: {REPORT_MARKDOWN_PAGES[wc.page]}.", SCALE),
     log:
         f"{RESULTS}/logs/report/{{paper}}_{{page}}.log",
     script:
         "../workflow/scripts/markdown_page.py"
+
+
+rule figure_page:
+    input:
+        png=f"{RESULTS}/figures/{{name}}.png",
+        code=REPORT_CODE,
+    output:
+        report(f"{RESULTS}/report/items/{{folder}}/{{name}}.html", caption=ITEM_CAPTION, category=item_category,
+               subcategory=item_subcategory, labels=item_labels),
+    wildcard_constraints:
+        folder="figures",
+    params:
+        title=lambda wc: output_title(CFG.figures[wc.name]["caption"], wc.name),
+        caption=lambda wc: CFG.figures[wc.name]["caption"],
+        scale=SCALE,
+        report_caption=item_caption,
+    log:
+        f"{RESULTS}/logs/report/figure_page/{{folder}}_{{name}}.log",
+    script:
+        "../workflow/scripts/figure_page.py"
+
+
+rule report_copy:
+    input:
+        f"{RESULTS}/{{folder}}/{{name}}.html",
+    output:
+        report(f"{RESULTS}/report/items/{{folder}}/{{name}}.html", caption=ITEM_CAPTION, category=item_category,
+               subcategory=item_subcategory, labels=item_labels),
+    wildcard_constraints:
+        folder="tables|report",
+    params:
+        report_caption=item_caption,
+    run:
+        copy_page(input[0], output[0])
+
+
+rule summary:
+    input:
+        claims=[f"{RESULTS}/report/{p}_claims.csv" for p in report_papers()],
+        scorecards=[f"{RESULTS}/report/{p}_scorecard.csv" for p in report_papers()],
+        inventories=[f"{RESULTS}/report/{p}_runs.csv" for p in report_papers()],
+        code=REPORT_CODE,
+    output:
+        md=f"{RESULTS}/report/summary.md",
+        csv=f"{RESULTS}/report/summary.csv",
+        html=f"{RESULTS}/report/summary.html",
+        landing=f"{RESULTS}/report/summary_landing.html",
+    params:
+        papers=[summary_paper(p) for p in report_papers()],
+        scale=SCALE,
+        seeds=CFG.seeds,
+        outputs=CFG.top["outputs"] if isinstance(CFG.top["outputs"], str) else ", ".join(CFG.top["outputs"]),
+        results=RESULTS,
+    log:
+        f"{RESULTS}/logs/report/summary.log",
+    script:
+        "../workflow/scripts/make_summary.py"

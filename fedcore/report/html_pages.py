@@ -23,6 +23,7 @@ SCALE_CAPTIONS = {
 CSS = """
 body { font-family: "DejaVu Sans", Helvetica, Arial, sans-serif; font-size: 13px; color: #222; margin: 12px; }
 p.caption { font-size: 14px; margin: 0 0 6px 0; max-width: 1000px; }
+figcaption.caption { font-size: 13px; margin: 6px 0 0 0; max-width: 1000px; }
 table { border-collapse: collapse; margin: 6px 0 10px 0; }
 th, td { border: 1px solid #c8c8c8; padding: 2px 5px; }
 th { background: #eef1f5; font-weight: 600; text-align: center; white-space: nowrap; }
@@ -135,3 +136,60 @@ def write_markdown_page(md_path: str | os.PathLike, out: str | os.PathLike, titl
     if not text.strip():
         raise ValueError(f"{md_path} is empty; expected Markdown text for the report page {title!r}")
     write_html(out, title, markdown_html(text, toc=toc))
+
+
+_PAPER_PREFIX = re.compile(r"^(SGPT|FedHPL|FedOTP|FedPFT)\s+")
+
+
+def output_title(caption: str, name: str) -> str:
+    """A table's or figure's short title from its caption ('SGPT Table 1: ...' -> 'Table 1'); else its name."""
+    head = _PAPER_PREFIX.sub("", caption.strip())
+    if ":" in head and re.match(r"(Table|Fig\.)\s", head):
+        return head.split(":", 1)[0].strip()
+    return name
+
+
+def output_description(caption: str, limit: int = 90) -> str:
+    """The caption after its title, cut at ``limit`` characters (a report listing's second column)."""
+    text = _PAPER_PREFIX.sub("", " ".join(caption.split()))
+    if ":" in text and re.match(r"(Table|Fig\.)\s", text):
+        text = text.split(":", 1)[1].strip()
+    return text if len(text) <= limit else text[:limit - 1].rsplit(" ", 1)[0] + " …"
+
+
+def title_key(title: str) -> tuple:
+    """Natural order of titles: tables before figures, then by number ('Table 2' < 'Table 10', 'A2' < 'A10')."""
+    kind = 0 if title.startswith("Table") else 1 if title.startswith("Fig") else 2
+    parts = re.split(r"(\d+)", title)
+    return (kind, [int(p) if p.isdigit() else p for p in parts])
+
+
+PAPER_ORDER = ("sgpt", "fedhpl", "fedotp", "fedpft")  # the report's sections, in the order of the README
+
+
+def report_category(paper: str | None) -> str:
+    """A report section's name, numbered so that Snakemake's alphabetical menu lists the papers in PAPER_ORDER and
+    the deviations last (None: the deviations)."""
+    if paper is None:
+        return f"{len(PAPER_ORDER) + 1}. Choices and deviations"
+    rank = PAPER_ORDER.index(paper) + 1 if paper in PAPER_ORDER else len(PAPER_ORDER) + 1
+    return f"{rank}. {paper_title(paper)}"
+
+
+def figure_page(png: str | os.PathLike, out: str | os.PathLike, title: str, caption: str, scale: str) -> None:
+    """A figure as a report page: the PNG (embedded) with its caption and the scale sentence visible under it."""
+    import base64
+
+    data = base64.b64encode(Path(png).read_bytes()).decode("ascii")
+    body = (f'<figure style="margin: 0"><img src="data:image/png;base64,{data}" alt="{html.escape(title)}" '
+            f'style="max-width: 100%; height: auto">'
+            f'<figcaption class="caption">{inline_markdown(caption)} <em>{html.escape(scale_caption(scale))}</em>'
+            '</figcaption></figure>')
+    write_html(out, title, body)
+
+
+def copy_page(src: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Copy a page atomically (a report item of its own, so that the report shows its caption, not the params of
+    the job that built it)."""
+    with atomic_path(Path(out)) as tmp:
+        Path(tmp).write_bytes(Path(src).read_bytes())

@@ -117,6 +117,9 @@ def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.Pa
     """Build the figure from its named input and write PNG and PDF atomically."""
     from fedcore.report.plotting import save_figure
 
+    # every figure's title says the scale it was drawn at (a PNG is often looked at alone)
+    if context.get("scale"):
+        fig_cfg = {**fig_cfg, "caption": f"{fig_cfg.get('caption', '')} [scale {context['scale']}]".strip()}
     kind = fig_cfg["kind"]
     if kind in ("image_grid", "partition_bubbles"):  # data-only figures read bundles (and partitions) directly
         from fedcore.report import data_outputs
