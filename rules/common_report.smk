@@ -43,7 +43,7 @@ def all_report_items():
     return ([f"{RESULTS}/report/items/tables/{t}.html" for t in CFG.tables if t in CFG.outputs]
             + [f"{RESULTS}/report/items/figures/{f}.html" for f in CFG.figures if f in CFG.outputs]
             + [f"{RESULTS}/report/items/report/{Path(p).stem}.html" for p in all_report_pages()
-               if not p.endswith("/summary.html")])
+               if Path(p).name != "summary.html"])
 
 
 PAGE_KINDS = {"runs": "Runs", **REPORT_MARKDOWN_PAGES}  # a paper page's name suffix -> its subcategory

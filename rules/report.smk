@@ -143,6 +143,8 @@ rule report_copy:
         folder="tables|report",
     params:
         report_caption=item_caption,
+    log:
+        f"{RESULTS}/logs/report/items/{{folder}}_{{name}}.log",
     run:
         copy_page(input[0], output[0])
 
@@ -163,7 +165,8 @@ rule summary:
         scale=SCALE,
         seeds=CFG.seeds,
         outputs=CFG.top["outputs"] if isinstance(CFG.top["outputs"], str) else ", ".join(CFG.top["outputs"]),
-        results=RESULTS,
+        # the results directory (its items' paths in the report), read off the output: <results>/report/summary.md
+        results=lambda wc, output: str(Path(output.md).parent.parent),
     log:
         f"{RESULTS}/logs/report/summary.log",
     script:
