@@ -189,3 +189,9 @@ def test_outputs_claims_trains_exactly_the_runs_the_claims_read():
     assert ("sgpt_c100_s10", "sgpt_ag0p9") in needed and ("sgpt_c100_s10", "sgpt_shared_to3") in needed
     every = {(r["experiment"], r["method"]) for r in _cfg(outputs="all").runs()}
     assert needed < every
+
+
+def test_the_run_inventory_names_a_variant_no_table_shows_by_its_label():
+    from fedcore.report.inventory import method_labels
+
+    assert method_labels(_cfg(papers=("fedhpl",), outputs="headline"), "fedhpl")["hpl_bs32"] == "batch 32"
