@@ -108,6 +108,11 @@ def test_pipeline_writes_metrics_tables_figures(workspace):
         assert (workspace / "results" / "tables" / f"sgpt_table1.{ext}").stat().st_size > 0
     md = (workspace / "results" / "tables" / "sgpt_table1.md").read_text()
     assert "not configured" in md  # fedvpt is not in the micro config
+    # each cell with a number knows its test images (read from the partition file) and its interval
+    csv = pd.read_csv(workspace / "results" / "tables" / "sgpt_table1.csv")
+    ok = csv.loc[csv["status"] == "ok"]
+    assert len(ok) and ok["test_images"].notna().all() and (ok["ci95_low"] <= ok["ours"]).all()
+    assert (ok["ours"] <= ok["ci95_high"]).all() and "Test images behind each column" in md
     for ext in ("png", "pdf"):
         assert (workspace / "results" / "figures" / f"sgpt_accuracy_per_round.{ext}").stat().st_size > 1000
     heatmaps = list((workspace / "results" / "partitions").glob("*/*/seed0.heatmap.png"))

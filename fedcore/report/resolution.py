@@ -90,6 +90,9 @@ def cell_test_images(metric: str, client: int, clients: list[int] | None, sizes:
         return sum(sizes.clients), "all clients' test sets (mean of client accuracies)"
     if metric == "worst_local_acc":
         return min(sizes.clients), "smallest client test set"
+    wanted = clients or [client]
+    if any(not 0 <= c < len(sizes.clients) for c in wanted):
+        return None, f"client {max(wanted)} is not in the partition"
     if clients:
         return sum(sizes.clients[c] for c in clients), f"clients {clients[0]}-{clients[-1]}'s test sets"
     return sizes.clients[client], f"client {client}'s test set"

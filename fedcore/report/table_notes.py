@@ -38,8 +38,7 @@ def resolution_notes(table: pd.DataFrame) -> list[str]:
     if known.empty:
         return []
     groups = []
-    for n, grp in known.groupby("n", sort=False):
-        what = grp["test_images_of"].iloc[0]
+    for (n, what), grp in known.groupby(["n", "test_images_of"], sort=False):
         groups.append(f"{int(n)} ({what}; one image = {100.0 / int(n):.2f} points): {', '.join(grp['column'])}")
     notes = ["Test images behind each column: " + "; ".join(groups) + "."]
     if (table["interval"] == WILSON).any():
