@@ -58,7 +58,7 @@ def render_claims_markdown(frame: pd.DataFrame, paper: str, metrics_scales: set[
     for s in scales:
         if s not in metrics_scales:
             lines.append(f"Scale {s}: results/metrics.parquet holds no run of this scale (it aggregates the runs "
-                         f"of the scale the pipeline ran), so its claims say runs missing.  ")
+                         f"of the scale the pipeline ran), so no claim can be judged there.  ")
     lines += ["", "| claim | source | " + " | ".join(scales) + " | on the paper's numbers |",
               "|---|---|" + "---|" * len(scales) + "---|"]
     for cid, rows in frame.groupby("id", sort=False):
