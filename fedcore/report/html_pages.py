@@ -50,6 +50,9 @@ td.cell span.paper { color: #777; font-size: 11px; }
 td.cell span.diff { color: #444; font-size: 11px; font-style: italic; }
 td.cell span.missing { color: #b00; }
 span.ours[title] { cursor: help; }
+.md th { white-space: normal; max-width: 9em; vertical-align: bottom; }
+.md td { white-space: normal; max-width: 40em; }
+.md td { text-align: left; }
 p.legend { font-size: 12px; color: #444; margin: 0 0 6px 0; max-width: 1000px; }
 p.part { font-size: 12px; font-weight: 600; margin: 10px 0 2px 0; }
 """
@@ -114,7 +117,7 @@ def markdown_html(text: str, toc: bool = False) -> str:
 
     md = markdown.Markdown(extensions=["tables", "fenced_code", "toc", "sane_lists"],
                            extension_configs={"toc": {"toc_depth": "2-2"}})
-    body = md.convert(_two_space_lists(text))
+    body = f'<div class="md">{md.convert(_two_space_lists(text))}</div>'
     return (f'<nav class="toc"><strong>Contents</strong>{md.toc}</nav>\n{body}' if toc else body)
 
 
