@@ -643,7 +643,7 @@ def _load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: 
                 _check_figure(entry, resolved.experiments, where, runnable)
                 entry["labels"] = {m: labels.get(m, m) for m in sorted(figure_methods(entry, resolved.experiments))}
             entry["source_paper"] = paper  # its section of the HTML report (entry["paper"]: the paper's numbers)
-            if kind == "tables" and entry.get("kind", "metrics") in ("metrics", "linear_probe"):
+            if kind == "tables" and entry.get("kind", "metrics") == "metrics":
                 for key in ("reported_round", "identical_rows"):  # the paper's, for the table's notes
                     if key in report:
                         entry[key] = report[key]
