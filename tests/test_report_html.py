@@ -159,3 +159,32 @@ def test_markdown_page_has_a_linked_table_of_contents_and_refuses_an_empty_file(
     with pytest.raises(ValueError, match="e.md is empty"):
         write_markdown_page(tmp_path / "e.md", tmp_path / "e.html", "Empty")
     assert not (tmp_path / "e.html").exists()
+
+
+def test_report_items_are_titled_ordered_and_sectioned_in_the_papers_order():
+    from fedcore.report.html_pages import output_description, output_title, report_category, title_key
+
+    assert output_title("SGPT Table 1: CIFAR-100 (s=50, s=10) and Five-dataset; accuracy", "t1") == "Table 1"
+    assert output_title("FedHPL Fig. 3(a) / Fig. 11: prompt length n", "f") == "Fig. 3(a) / Fig. 11"
+    assert output_title("Global accuracy per round for each method.", "sgpt_accuracy_per_round") == \
+        "sgpt_accuracy_per_round"
+    assert output_description("SGPT Table 1: CIFAR-100 (s=50, s=10) and Five-dataset") == \
+        "CIFAR-100 (s=50, s=10) and Five-dataset"
+    titles = ["Fig. 2", "Table 10(j)", "Table 2", "Table A10", "Table A2", "Table 1"]
+    assert sorted(titles, key=title_key) == ["Table 1", "Table 2", "Table 10(j)", "Table A2", "Table A10", "Fig. 2"]
+    sections = [report_category(p) for p in ("fedpft", "sgpt", "fedotp", "fedhpl")] + [report_category(None)]
+    assert sorted(sections) == ["1. SGPT", "2. FedHPL", "3. FedOTP", "4. FedPFT", "5. Choices and deviations"]
+
+
+def test_a_figure_page_shows_the_caption_and_scale_under_the_image(tmp_path: Path):
+    from matplotlib.figure import Figure
+
+    from fedcore.report.html_pages import figure_page
+
+    fig = Figure(figsize=(2, 1))
+    fig.subplots().plot([0, 1])
+    fig.savefig(tmp_path / "f.png")
+    figure_page(tmp_path / "f.png", tmp_path / "f.html", "Fig. 1", "SGPT Fig. 1: global vs. worst", "mini")
+    page = (tmp_path / "f.html").read_text()
+    assert page.index("<img") < page.index("<figcaption") and "SGPT Fig. 1: global vs. worst" in page
+    assert "Scale mini" in page and "data:image/png;base64," in page
