@@ -77,6 +77,13 @@ def test_degenerate_columns_are_flagged():
     mixed = build_table(_metrics({("a", 0): [0.3], ("b", 0): [0.0], ("c", 0): [0.3]}), TABLE, EXPS, "mini",
                         {"a", "b", "c"})
     assert set(mixed["degenerate"]) == {""}
+    four = {**TABLE, "rows": ["a", "b", "c", "d"]}
+    mostly = build_table(_metrics({("a", 0): [0.0], ("b", 0): [0.0], ("c", 0): [0.0], ("d", 0): [0.0215]}), four,
+                         {"e": {**EXPS["e"], "methods": ["a", "b", "c", "d"]}}, "mini", {"a", "b", "c", "d"})
+    assert set(mostly.loc[mostly["column"] == "acc", "degenerate"]) == {"3 of 4 equal (0.00)"}
+    from fedcore.report.table_notes import degenerate_notes
+
+    assert degenerate_notes(mostly) == ["⚠ acc: 3 of 4 numbers are 0.00; this column barely separates the methods."]
 
 
 def test_rows_identical_in_every_cell_get_a_note_with_the_configured_reason():

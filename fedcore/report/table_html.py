@@ -9,8 +9,8 @@ import math
 
 import pandas as pd
 
-from fedcore.report.resolution import ALL_EQUAL, ALL_ZERO, SEED_STD, WILSON
-from fedcore.report.table_notes import DEGENERATE_MARK
+from fedcore.report.resolution import SEED_STD, WILSON
+from fedcore.report.table_notes import DEGENERATE_MARK, column_sizes
 
 MAX_COLUMNS = 8  # number columns a part holds: 8 × ~95 px + the labels fit the report's frame
 
@@ -59,7 +59,7 @@ def _header(columns: pd.DataFrame, attr_cols: list[str], row_header: str) -> str
     res = ['<th class="label">test images</th>'] + ['<th class="attr"></th>' for _ in attr_cols]
     for c in columns.itertuples():
         flag = ""
-        if c.degenerate in (ALL_ZERO, ALL_EQUAL):
+        if c.degenerate:
             flag = f'<br><span class="flag">{DEGENERATE_MARK} {_esc(c.degenerate)}</span>'
         th.append(f'<th class="col">{_esc(c.column)}{flag}</th>')
         n = "" if pd.isna(c.n) else f'<span title="one image = {100.0 / int(c.n):.2f} points">{int(c.n)}</span>'
@@ -79,12 +79,7 @@ def render_table_html(table: pd.DataFrame, table_cfg: dict, scale: str, grid, ro
     labels, entries = grid
     attr_cols, attr_rows = row_attributes
     per_cell = 3 if scale == "paper" else 2
-    cols = table.sort_values("col_index").drop_duplicates("col_index")
-    ns = table.groupby("col_index")["test_images"].agg(lambda s: s.dropna().min() if s.notna().any() else pd.NA) \
-        if "test_images" in table else pd.Series(pd.NA, index=cols["col_index"])
-    columns = pd.DataFrame({"column": cols["column"].to_numpy(), "n": cols["col_index"].map(ns).to_numpy(),
-                            "degenerate": (cols["degenerate"] if "degenerate" in cols else pd.Series("", index=cols.index)
-                                           ).to_numpy()})
+    columns = column_sizes(table)
     cells = {(r, int(j)): c for (r, j), c in zip(zip(table["row"], table["col_index"]), table.to_dict("records"))}
     row_keys = list(dict.fromkeys(table["row"]))
     parts = column_parts(len(columns))

@@ -23,17 +23,29 @@ def round_note(table_cfg: dict) -> str | None:
     return note
 
 
-def _columns(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per column (in order) with its label, n, one image in points and degeneracy flag."""
-    first = table.sort_values("col_index").drop_duplicates("col_index")
-    ns = table.groupby("col_index")["test_images"].agg(lambda s: s.dropna().min() if s.notna().any() else pd.NA)
-    return first.assign(n=first["col_index"].map(ns))[["col_index", "column", "n", "degenerate", "test_images_of"]]
+def column_sizes(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per column (in order): its label, n and what n counts (the most common among its cells with a
+    known size, cells with a number first: a column's rows may read different experiments), and its flag."""
+    out = []
+    for j, cells in table.sort_values("col_index").groupby("col_index", sort=True):
+        known = cells.loc[cells["test_images"].notna()] if "test_images" in cells else cells.iloc[0:0]
+        if len(known) and (known["status"] == "ok").any():
+            known = known.loc[known["status"] == "ok"]
+        if len(known):
+            n, what = known.groupby(["test_images", "test_images_of"]).size().idxmax()
+        else:
+            n, what = pd.NA, ""
+        out.append({"col_index": j, "column": cells["column"].iloc[0], "n": n, "test_images_of": what,
+                    "degenerate": cells["degenerate"].iloc[0] if "degenerate" in cells else ""})
+    return pd.DataFrame(out, columns=["col_index", "column", "n", "test_images_of", "degenerate"])
+
+
 
 
 def resolution_notes(table: pd.DataFrame) -> list[str]:
     """How many test images stand behind each column (grouped by count) and how single-seed cells' uncertainty is
     given; empty when no column is a proportion of known test images."""
-    cols = _columns(table)
+    cols = column_sizes(table)
     known = cols.loc[cols["n"].notna()]
     if known.empty:
         return []
@@ -51,12 +63,14 @@ def resolution_notes(table: pd.DataFrame) -> list[str]:
 def degenerate_notes(table: pd.DataFrame) -> list[str]:
     """One note per column whose numbers are all 0 or all equal: it does not separate the methods."""
     notes = []
-    for c in _columns(table).itertuples():
-        if c.degenerate not in (ALL_ZERO, ALL_EQUAL):
+    for c in column_sizes(table).itertuples():
+        if not c.degenerate:
             continue
-        what = "every number is 0" if c.degenerate == ALL_ZERO else "every number is the same"
+        what = {ALL_ZERO: "every number is 0", ALL_EQUAL: "every number is the same"}.get(
+            c.degenerate, f"{c.degenerate.split(' equal (')[0]} numbers are {c.degenerate.split('(')[1].rstrip(')')}")
         size = f" ({int(c.n)} test images: one image = {100.0 / int(c.n):.2f} points)" if pd.notna(c.n) else ""
-        notes.append(f"{DEGENERATE_MARK} {c.column}: {what}{size}; this column does not separate the methods.")
+        how = "does not separate" if c.degenerate in (ALL_ZERO, ALL_EQUAL) else "barely separates"
+        notes.append(f"{DEGENERATE_MARK} {c.column}: {what}{size}; this column {how} the methods.")
     return notes
 
 

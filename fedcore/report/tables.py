@@ -519,6 +519,8 @@ def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) ->
     for window, exps in windows.items():
         if window == "best":
             what = "best round"
+        elif window == "last 1":
+            what = "value at the final evaluated round"
         elif window.startswith("last "):
             what = f"mean of the {window} evaluated rounds"
         else:
