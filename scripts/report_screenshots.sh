@@ -37,9 +37,11 @@ for page in "$results"/report/items/*/*.html; do
   folder=$(basename "$(dirname "$page")")
   name=$(basename "${page%.html}")
   key="$results/report/items/$folder/$name.html"
-  # a copy of the report that opens this item once its app has rendered (the report keys items by their path)
-  sed "s#</body>#<script>setTimeout(function () { app.setView({content: 'html', contentPath: results['$key'].data_uri, resultPath: '$key'}); }, 500);</script></body>#" \
-    "$results/report.html" > "$tmp/report.html"
+  # a copy of the report that opens this item once its app has rendered (the report keys items by their path);
+  # appended after the document: the report's own scripts hold "</body>" in strings
+  { cat "$results/report.html"
+    echo "<script>setTimeout(function () { app.setView({content: 'html', contentPath: results['$key'].data_uri, resultPath: '$key'}); }, 500);</script>"
+  } > "$tmp/report.html"
   shot "$tmp/report.html" "$out/in_report/${folder}_$name.png" 1400 1000
   shot "$page" "$out/page/${folder}_$name.png" 1050 1600
 done

@@ -264,7 +264,7 @@ def test_partition_grid_draws_each_panel_counts_with_its_dataset_in_the_title():
     # a panel repeating another's counts is said to
     again = partition_grid_figure([a, a.copy()], cfg, experiments={"e1": {"dataset": "digits"},
                                                                    "e2": {"dataset": "digits"}})
-    assert "Dir repeats IID: at this scale both read digits with the same partition." in figure_notes(again)
+    assert "Dir repeats IID at this scale: both read digits with the same partition." in figure_notes(again)
     with pytest.raises(ValueError, match="2 panels but 1"):
         partition_grid_figure([a], cfg)
 

@@ -104,8 +104,12 @@ def test_table_page_puts_ours_above_the_papers_and_the_difference_at_paper_scale
 def test_a_wide_table_is_split_into_parts_that_repeat_the_row_labels():
     from fedcore.report.table_html import column_parts
 
-    assert [list(p) for p in column_parts(12, 8)] == [list(range(6)), list(range(6, 12))]
-    assert [len(p) for p in column_parts(9, 8)] == [5, 4] and [len(p) for p in column_parts(8, 8)] == [8]
+    a2 = [f"Off. {d}" for d in "ACDW"] + ["Off. Avg."] + [f"DN {d}" for d in "CIPQRS"] + ["DN Avg."]
+    assert [len(p) for p in column_parts(a2, 8)] == [5, 7]                 # split between the datasets
+    t1 = [f"C100 {m} s={s}" for m in ("Global", "Local", "Worst") for s in (50, 10)] + ["Five G", "Five L", "Five W"]
+    assert [len(p) for p in column_parts(t1, 8)] == [6, 3]
+    assert [len(p) for p in column_parts([f"c{i}" for i in range(12)], 8)] == [6, 6]   # no groups: equal parts
+    assert [len(p) for p in column_parts(["a"] * 8, 8)] == [8]
     wide = {**TABLE_CFG, "columns": TABLE_CFG["columns"] * 2}    # 10 columns
     wide["paper"] = {r: v * 2 for r, v in TABLE_CFG["paper"].items()}
     table = build_table(sample_metrics("mini"), wide, EXPERIMENTS, "mini", IMPLEMENTED)

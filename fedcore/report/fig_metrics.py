@@ -88,8 +88,8 @@ def coinciding(xy: dict[str, tuple[float, ...]], fig_cfg: dict, decimals: int = 
     spots: dict[tuple[float, float], list[str]] = {}
     for m, v in xy.items():
         spots.setdefault((round(v[0], decimals), round(v[1], decimals)), []).append(_label(fig_cfg, m))
-    return [f"{' and '.join(ms)} lie on one spot ({x:.{decimals}f}, {y:.{decimals}f}): the same numbers (the "
-            "table's note says why)." for (x, y), ms in spots.items() if len(ms) > 1]
+    return [f"{' and '.join(ms)} lie on one spot ({x:.{decimals}f}, {y:.{decimals}f}): equal numbers on both axes."
+            for (x, y), ms in spots.items() if len(ms) > 1]
 
 
 def scatter_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,

@@ -208,9 +208,10 @@ def repeated_panels(counts: list[pd.DataFrame], titles: list[str], experiments: 
     for i, c in enumerate(counts):
         same = next((j for j in range(i) if counts[j].reset_index(drop=True).equals(c.reset_index(drop=True))), None)
         if same is not None:
-            data = experiments.get(exps[i], {}).get("dataset", "the same data")
-            notes.append(f"{titles[i]} repeats {titles[same]}: at this scale both read {data} with the same "
-                         "partition.")
+            here, there = (experiments.get(exps[k], {}).get("dataset") for k in (i, same))
+            why = (f"both read {here} with the same partition" if here == there
+                   else f"{here} and {there} have the same labels, so the partition is the same")
+            notes.append(f"{titles[i]} repeats {titles[same]} at this scale: {why}.")
     return notes
 
 

@@ -208,6 +208,8 @@ LANDING_CSS = """
 .fc-summary td:first-child { text-align: left; }
 .fc-summary a { color: #1a5fb4; text-decoration: underline; }
 .fc-summary p, .fc-summary ul { margin: 4px 0; }
+.fc-summary th:first-child { text-align: left; }
+.fc-summary code::before, .fc-summary code::after { content: none; }
 """
 
 
@@ -231,7 +233,9 @@ def write_summary(inputs: list[PaperInputs], ctx: Context, results: str, out_md:
              Path(out_csv): frame.to_csv(index=False, float_format="%.6g", lineterminator="\n"),
              Path(out_html): page("Summary", local),
              # the report's front page is a narrow column: widen it for this fragment (styles apply page-wide)
-             Path(out_landing): (f"<style>{LANDING_CSS} .prose.max-w-lg {{ max-width: 62rem; }}</style>\n"
+             # and start it at the top: the report centres its content vertically, which cuts a tall page's top
+             Path(out_landing): (f"<style>{LANDING_CSS} .prose.max-w-lg {{ max-width: 62rem; }} "
+                                 ".h-screen.overflow-auto { align-items: flex-start; }</style>\n"
                                  f'<div class="fc-summary">{landing}</div>\n')}
     with contextlib.ExitStack() as stack:
         tmps = {path: stack.enter_context(atomic_path(path)) for path in texts}

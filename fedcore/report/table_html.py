@@ -17,9 +17,24 @@ MAX_COLUMNS = 8  # number columns a part holds: 8 × ~95 px + the labels fit the
 _esc = lambda t: html.escape(str(t), quote=False)  # noqa: E731
 
 
-def column_parts(n: int, most: int = MAX_COLUMNS) -> list[range]:
-    """Column positions 0..n-1 in as few parts of at most ``most`` as possible, of near-equal sizes."""
-    parts = max(1, math.ceil(n / most))
+def column_parts(labels: list[str], most: int = MAX_COLUMNS) -> list[range]:
+    """Column positions in as few parts of at most ``most`` columns as possible. Parts break between groups of
+    columns whose labels start alike ('C100 ...', 'Five ...'; 'Off. ...', 'DN ...') when every group fits a part;
+    otherwise into near-equal parts."""
+    n = len(labels)
+    if n <= most:
+        return [range(n)]
+    starts = [0] + [j for j in range(1, n) if labels[j].split()[:1] != labels[j - 1].split()[:1]] + [n]
+    groups = [range(a, b) for a, b in zip(starts, starts[1:])]
+    if len(groups) < n and all(len(g) <= most for g in groups):   # labels do group, and every group fits
+        out: list[range] = []
+        for g in groups:
+            if out and len(out[-1]) + len(g) <= most:
+                out[-1] = range(out[-1].start, g.stop)
+            else:
+                out.append(g)
+        return out
+    parts = math.ceil(n / most)
     size, extra = divmod(n, parts)
     out, start = [], 0
     for i in range(parts):
@@ -82,7 +97,7 @@ def render_table_html(table: pd.DataFrame, table_cfg: dict, scale: str, grid, ro
     columns = column_sizes(table)
     cells = {(r, int(j)): c for (r, j), c in zip(zip(table["row"], table["col_index"]), table.to_dict("records"))}
     row_keys = list(dict.fromkeys(table["row"]))
-    parts = column_parts(len(columns))
+    parts = column_parts(list(columns["column"]))
     out = []
     for k, part in enumerate(parts):
         body = []
