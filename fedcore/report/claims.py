@@ -45,6 +45,7 @@ LISTED = 6  # at most this many "not selected" cells are named in a verdict's de
 NOT_RUN = "not selected"  # its runs are configured but not read by the chosen outputs (config `outputs`)
 NOT_SET_UP = "not configured"  # some cell's method is not in its experiment at this scale (or has no code)
 VERDICTS = (HOLDS, FAILS, NOT_RUN, NOT_SET_UP, MISSING)  # every verdict on our numbers, in the summary's order
+COUNTED = {NOT_SELECTED, NOT_CONFIGURED, NOT_IMPLEMENTED}  # cells without a number that are counted, not listed
 NO_PAPER_NUMBERS = "no paper numbers"
 NO_POINT = "no point"   # a sweep's series without a run at this setting: not part of that column
 
@@ -248,9 +249,9 @@ class Verdict:
         """'label [column] = 12.34; …' in the order used ('' when no cell has a number)."""
         if not any(isinstance(v, float) for _, _, v in self.numbers):
             return ""
-        # cells left out by the chosen outputs are counted in the detail, not listed one by one here
+        # cells left out by the chosen outputs or not run at this scale are counted in the detail, not listed here
         return "; ".join(f"{lab} [{col}] = {v:.{decimals}f}" if isinstance(v, float) else f"{lab} [{col}] = {v}"
-                         for lab, col, v in self.numbers if v != NOT_SELECTED)
+                         for lab, col, v in self.numbers if v not in COUNTED)
 
 
 class Grid:
@@ -302,7 +303,7 @@ class Grid:
             if n == total:   # nothing to list cell by cell
                 return Verdict(verdict, f"none of the {total} cells has a number ({', '.join(missing)})", self.used)
             # a long list of cells outside the chosen outputs says nothing a count does not
-            why = "; ".join(f"{status}: {len(cells)} cells" if status == NOT_SELECTED and len(cells) > LISTED
+            why = "; ".join(f"{status}: {len(cells)} cells" if status in COUNTED and len(cells) > LISTED
                             else f"{status}: {', '.join(cells)}" for status, cells in missing.items())
             return Verdict(verdict, f"{n} of {total} cells have no number ({why})"
                            + (f"; on the others: {detail}" if detail else ""), self.used)
