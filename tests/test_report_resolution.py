@@ -108,3 +108,15 @@ def test_the_reported_round_and_a_test_set_selection_are_said():
     note = round_note({"reported_round": {"paper": "the best round", "source": "§4.1", "test_selected": True}})
     assert note.startswith("The paper reports the best round (§4.1)") and "on the test set" in note
 
+
+
+def test_every_kind_of_degenerate_column_gets_its_note():
+    from fedcore.report.table_notes import degenerate_notes
+
+    zero = build_table(_metrics({("a", 0): [0.0], ("b", 0): [0.0], ("c", 0): [0.0]}), TABLE, EXPS, "mini",
+                       {"a", "b", "c"}, {"e": EvalSizes((31, 31), 62)})
+    assert degenerate_notes(zero) == ["⚠ acc: every number is 0 (62 test images: one image = 1.61 points); this "
+                                      "column does not separate the methods."]
+    same = build_table(_metrics({("a", 0): [0.5], ("b", 0): [0.5], ("c", 0): [0.5]}), TABLE, EXPS, "mini",
+                       {"a", "b", "c"})
+    assert degenerate_notes(same) == ["⚠ acc: every number is the same; this column does not separate the methods."]

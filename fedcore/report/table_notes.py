@@ -66,8 +66,13 @@ def degenerate_notes(table: pd.DataFrame) -> list[str]:
     for c in column_sizes(table).itertuples():
         if not c.degenerate:
             continue
-        what = {ALL_ZERO: "every number is 0", ALL_EQUAL: "every number is the same"}.get(
-            c.degenerate, f"{c.degenerate.split(' equal (')[0]} numbers are {c.degenerate.split('(')[1].rstrip(')')}")
+        if c.degenerate == ALL_ZERO:
+            what = "every number is 0"
+        elif c.degenerate == ALL_EQUAL:
+            what = "every number is the same"
+        else:   # 'k of n equal (v)'
+            count, value = c.degenerate.split(" equal (")
+            what = f"{count} numbers are {value.rstrip(')')}"
         size = f" ({int(c.n)} test images: one image = {100.0 / int(c.n):.2f} points)" if pd.notna(c.n) else ""
         how = "does not separate" if c.degenerate in (ALL_ZERO, ALL_EQUAL) else "barely separates"
         notes.append(f"{DEGENERATE_MARK} {c.column}: {what}{size}; this column {how} the methods.")
