@@ -2,6 +2,7 @@
 # linter wants functions apart from the rules that use them.
 from fedcore.report.html_pages import (copy_page, output_description, output_title, paper_title, report_caption,
                                        report_category, title_key)
+from fedcore.jobtime import time_path
 from fedcore.report.inventory import configured_runs, method_labels, unbuilt_outputs
 from fedcore.data.sources import FOLDER_LAYOUT_DATASETS
 from fedcore.report.render import figure_input, personalized_flags, table_input
@@ -223,11 +224,12 @@ def table_eval_sets(name):
 
 
 def summary_paper(paper):
-    """What the summary page states about a paper besides its report files: the benchmark files of its selected
-    training runs, the data its selected runs train on (with the paper's dataset at another scale) and the tables
-    and figures the outputs leave out."""
+    """What the summary page states about a paper besides its report files: the time records of its selected
+    training runs (beside their logs, fedcore/jobtime.py), the data its selected runs train on (with the paper's
+    dataset at another scale) and the tables and figures the outputs leave out."""
     runs = [r for r in CFG.runs() if CFG.experiments[r["experiment"]]["paper"] == paper]
-    bench = [f"{RESULTS}/benchmarks/train/{SCALE}/{r['experiment']}/{r['method']}/seed{r['seed']}.tsv" for r in runs]
+    times = [str(time_path(f"{RESULTS}/logs/train/{SCALE}/{r['experiment']}/{r['method']}/seed{r['seed']}.log"))
+             for r in runs]
     try:
         logical = CFG.at_scale("paper").experiments if SCALE != "paper" else {}
     except Exception:  # noqa: BLE001 - the paper scale's names are a courtesy here; the summary says the concrete ones
@@ -243,4 +245,4 @@ def summary_paper(paper):
         data[" on ".join(names)] = None
     entries = {**CFG.tables, **CFG.figures}
     unbuilt = [output_title(entries[n]["caption"], n) for n in unbuilt_outputs(CFG, paper)]
-    return {"paper": paper, "benchmarks": bench, "data": list(data), "unbuilt": unbuilt}
+    return {"paper": paper, "times": times, "data": list(data), "unbuilt": unbuilt}

@@ -23,10 +23,6 @@ rule train:
         threads=CFG.top["threads_per_run"],
     log:
         f"{RESULTS}/logs/train/{SCALE}/{{experiment}}/{{method}}/seed{{seed}}.log",
-    # the job's own wall time (s) and sampled CPU time, summed per paper on the report's summary page; no other job
-    # reads it, so a run trained before it was declared is not retrained for it
-    benchmark:
-        f"{RESULTS}/benchmarks/train/{SCALE}/{{experiment}}/{{method}}/seed{{seed}}.tsv"
     threads: 1
     resources:
         gpu=lambda wc: CFG.run_resources(wc.experiment, wc.method)["gpu"],

@@ -26,9 +26,9 @@ def _paper_files(tmp_path, paper: str, verdicts: list[str], with_timing: bool) -
     runs = pd.DataFrame({"experiment": "e", "method": ["a", "b", "c", "d"], "seed": 0, "scale": "mini",
                          "status": ["present", "present", "missing", "not selected"]})
     runs.to_csv(tmp_path / f"{paper}_runs.csv", index=False)
-    bench = [tmp_path / f"{paper}_a.tsv", tmp_path / f"{paper}_b.tsv"]
-    if with_timing:   # Snakemake's benchmark format; b has none (a run trained before benchmarks were kept)
-        bench[0].write_text("s\th:m:s\tmax_rss\tcpu_time\n30.5\t0:00:30\t800\t28.0\n")
+    bench = [tmp_path / f"{paper}_a.time.json", tmp_path / f"{paper}_b.time.json"]
+    if with_timing:   # the job's own record (fedcore/jobtime.py); b has none (trained before times were recorded)
+        bench[0].write_text('{"cpu_s": 28.0, "user_s": 26.0, "sys_s": 2.0, "wall_s": 30.5, "max_rss_mib": 800}')
     return PaperInputs(paper, tmp_path / f"{paper}_claims.csv", tmp_path / f"{paper}_scorecard.csv",
                        tmp_path / f"{paper}_runs.csv", [str(b) for b in bench], ["digits (for CIFAR-100) on vit_mini"],
                        ["Table 2"])
@@ -59,7 +59,29 @@ def test_summary_pages_link_each_count_and_say_what_is_left_out(tmp_path):
     assert "| [SGPT](sgpt_claims.html) | 2 | [1](sgpt_claims.html) | 0 | [1](sgpt_claims.html) | 0 | 0 |" in md
     assert "[9 of 16](sgpt_scorecard.html)" in md and "[2 of 3](sgpt_runs.html)" in md
     assert "Table 2" in md and "--config outputs=claims" in md and "digits (for CIFAR-100)" in md
-    assert "1 timed training jobs of 3 selected" in md
+    assert "1 timed training jobs of 3 selected used 0.01 h (28 s) of CPU" in md
     landing = html.unescape((tmp_path / "landing.html").read_text())
     assert "results['results/report/items/report/sgpt_claims.html'].data_uri" in landing and "<script" not in landing
     assert pd.read_csv(out["csv"]).loc[0, HOLDS] == 1
+
+
+def test_a_job_records_its_own_cpu_and_wall_time_at_exit(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from fedcore.jobtime import read_job_time, time_path
+
+    log = tmp_path / "logs" / "seed0.log"
+    log.parent.mkdir()
+    code = ("from fedcore.jobtime import record_at_exit; record_at_exit(%r); sum(i * i for i in range(3_000_000))"
+            % str(log))
+    subprocess.run([sys.executable, "-c", code], check=True)
+    rec = read_job_time(time_path(log))
+    assert time_path(log).name == "seed0.time.json" and rec["cpu_s"] > 0.05 and rec["wall_s"] > 0
+    assert rec["cpu_s"] == pytest.approx(rec["user_s"] + rec["sys_s"], abs=0.01)
+    assert read_job_time(tmp_path / "none.time.json") is None
+    (tmp_path / "bad.time.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.time.json is not a job time record"):
+        read_job_time(tmp_path / "bad.time.json")
+    assert json.loads(time_path(log).read_text()) == rec

@@ -3,7 +3,7 @@ scale the numbers come from, what the runs cost, and what the chosen outputs lea
 builds it.
 
 Every count is read from the files the other report jobs wrote (the claim checks, scorecards and run inventories,
-all at the scale built) and from each training job's own benchmark file (Snakemake's ``benchmark:``): nothing is
+all at the scale built) and from each training job's own time record (fedcore/jobtime.py): nothing is
 recomputed here, so the summary cannot disagree with the pages it links. Written as Markdown, CSV, a standalone HTML
 page (links to the pages beside it) and an HTML fragment that the report's front page includes (links that open
 the report's items).
@@ -33,27 +33,29 @@ VERDICT_HEADS = {HOLDS: "hold", FAILS: "do not hold", NOT_RUN: "not selected", N
 
 @dataclass
 class PaperInputs:
-    """What the summary reads for one paper: its claim check, scorecard and run inventory CSVs, the benchmark files
+    """What the summary reads for one paper: its claim check, scorecard and run inventory CSVs, the time records
     of its selected training runs (absent ones are counted as untimed), and facts from the config."""
 
     paper: str
     claims_csv: str | os.PathLike
     scorecard_csv: str | os.PathLike
     inventory_csv: str | os.PathLike
-    benchmarks: list[str] = field(default_factory=list)
+    times: list[str] = field(default_factory=list)      # the training jobs' time records
     data: list[str] = field(default_factory=list)        # e.g. "digits (for CIFAR-100)"
     unbuilt: list[str] = field(default_factory=list)     # the paper's tables and figures the outputs leave out
 
 
 def read_timing(paths: list[str]) -> tuple[int, float, float]:
-    """(runs with a benchmark file, their summed wall seconds, their summed sampled CPU seconds)."""
+    """(runs with a time record, their summed wall seconds, their summed CPU seconds) from the training jobs' own
+    records (fedcore/jobtime.py); a run trained before jobs recorded their time has none."""
+    from fedcore.jobtime import read_job_time
+
     n, wall, cpu = 0, 0.0, 0.0
     for p in paths:
-        if not Path(p).exists():
+        rec = read_job_time(p)
+        if rec is None:
             continue
-        row = pd.read_csv(p, sep="\t").iloc[-1]   # one line per repeat; we run each job once
-        n, wall = n + 1, wall + float(row["s"])
-        cpu += float(row.get("cpu_time", math.nan)) if pd.notna(row.get("cpu_time", math.nan)) else 0.0
+        n, wall, cpu = n + 1, wall + float(rec["wall_s"]), cpu + float(rec["cpu_s"])
     return n, wall, cpu
 
 
@@ -70,7 +72,7 @@ def paper_row(inp: PaperInputs, scale: str) -> dict:
     cells = total.iloc[0] if len(total) else pd.Series(0, index=card.columns)
     runs = pd.read_csv(inp.inventory_csv)
     selected = runs.loc[runs["status"] != "not selected"]
-    timed, wall, cpu = read_timing(inp.benchmarks)
+    timed, wall, cpu = read_timing(inp.times)
     return {"paper": inp.paper, "scale": scale, "claims": len(claims),
             **{v: int(verdicts.get(v, 0)) for v in VERDICTS},
             "cells": int(cells["cells"]),
@@ -102,16 +104,17 @@ def _hours(seconds: float) -> str:
 
 
 def compute_text(frame: pd.DataFrame, scale: str) -> str:
-    """The runs' cost: summed wall time of the timed training jobs (GPU-hours at paper scale, one GPU a job;
-    core-hours at mini, one thread a job) and the sampled CPU time."""
+    """The runs' cost from the training jobs' own records: CPU time (getrusage), and wall time, which is GPU time at
+    paper scale (one GPU a job)."""
     timed, selected = int(frame["runs_timed"].sum()), int(frame["runs_selected"].sum())
     if timed == 0:
-        return (f"Compute: no training job of this build has a benchmark file yet ({selected} runs selected; "
-                "runs trained before the pipeline recorded them keep none until they are retrained).")
-    unit = "GPU-hours (one GPU a job)" if scale == "paper" else "core-hours (one core a job)"
-    return (f"Compute: the {timed} timed training jobs of {selected} selected took {_hours(frame['wall_s'].sum())} "
-            f"of wall time, i.e. {unit}; their sampled CPU time (Snakemake's benchmark, a lower bound) is "
-            f"{_hours(frame['cpu_s'].sum())}. Per paper in the table below.")
+        return (f"Compute: no training job of this build has a time record yet ({selected} runs selected; "
+                "runs trained before the pipeline recorded times keep none until they are retrained).")
+    gpu = (f" At paper scale each job holds one GPU: {frame['wall_s'].sum() / 3600:.2f} GPU-hours."
+           if scale == "paper" else "")
+    return (f"Compute: the {timed} timed training jobs of {selected} selected used {_hours(frame['cpu_s'].sum())} "
+            f"of CPU (each job's own getrusage) in {_hours(frame['wall_s'].sum())} of wall time summed over jobs "
+            f"(more than the CPU time when jobs wait for a core).{gpu}")
 
 
 def render_summary_markdown(frame: pd.DataFrame, inputs: list[PaperInputs], ctx: Context) -> str:
@@ -171,10 +174,10 @@ def _render(frame: pd.DataFrame, inputs: list[PaperInputs], ctx: Context, md: bo
                      a(f"{r.cells_with_run} of {r.cells_configured}", link(r.paper, "scorecard")),
                      str(r.cells_not_selected), str(r.cells - r.cells_configured),
                      a(f"{r.runs_present} of {r.runs_selected}", link(r.paper, "runs")),
-                     esc(_hours(r.wall_s) if r.runs_timed else "not recorded")
+                     esc(_hours(r.cpu_s) if r.runs_timed else "not recorded")
                      + ("" if r.runs_timed in (0, r.runs_selected) else esc(f" ({r.runs_timed} runs timed)"))])
     out += table(["paper", "cells with a run, of configured", "not selected", "not configured at this scale",
-                  "runs present, of selected", "wall time of the training jobs"], rows)
+                  "runs present, of selected", "CPU time of the training jobs"], rows)
     out += para(esc(compute_text(frame, ctx.scale)))
     out += heading("Where the numbers come from")
     items = [f"{paper_title(i.paper)}: " + (", ".join(i.data) if i.data else "no run selected") for i in inputs]

@@ -9,7 +9,7 @@ from fedcore.report.summary import Context, PaperInputs, write_summary  # noqa: 
 
 _log.setup(snakemake)
 p, i = snakemake.params, snakemake.input
-inputs = [PaperInputs(x["paper"], c, s, r, x["benchmarks"], x["data"], x["unbuilt"])
+inputs = [PaperInputs(x["paper"], c, s, r, x["times"], x["data"], x["unbuilt"])
           for x, c, s, r in zip(p.papers, i.claims, i.scorecards, i.inventories, strict=True)]
 write_summary(inputs, Context(p.scale, list(p.seeds), p.outputs), p.results, snakemake.output.md,
               snakemake.output.csv, snakemake.output.html, snakemake.output.landing)
