@@ -190,7 +190,7 @@ def _render(frame: pd.DataFrame, inputs: list[PaperInputs], ctx: Context, md: bo
         if inp.unbuilt:
             parts.append(f"{len(inp.unbuilt)} tables and figures ({', '.join(inp.unbuilt)})")
         if row["cells_not_selected"]:
-            parts.append(f"{row['cells_not_selected']} cells of the built tables")
+            parts.append(f"{row['cells_not_selected']} table cells (not selected)")
         if row[NOT_RUN]:
             parts.append(f"{row[NOT_RUN]} claims (not selected)")
         items.append(f"{paper_title(row['paper'])}: " + ("; ".join(parts) if parts else "nothing"))
