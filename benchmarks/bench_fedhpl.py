@@ -92,9 +92,7 @@ def main() -> None:
     archs = SETTINGS[a.setting]
     torch.manual_seed(0)
     backbones = [prompt_adapter(build_backbone(arch)).to(device) for arch in archs]
-    method = FedHPL(backbones, CLASSES, {}, CLIENT_BACKBONES)
-    for m in method.models:
-        m.to(device)
+    method = FedHPL(backbones, CLASSES, {}, CLIENT_BACKBONES).to(device)
     print(f"# FedHPL {a.setting}, batch {a.batch}, {a.steps} steps, {name}, amp={a.amp}")
     speed = {}
     with attention_backend(device):

@@ -83,7 +83,7 @@ def sec_per_round(name: str, params: dict, together: bool, args: argparse.Namesp
     after a warm-up (on a shared CPU the process's CPU time is the fairer figure)."""
     torch.manual_seed(0)
     method = method_class(name)(prompt_adapter(build_backbone(args.arch)).to(device), 10, params)
-    method.models[0].to(device)  # as fedcore/train.py does
+    method.to(device)  # as fedcore/train.py does
     pipe = InputPipeline(args.side, (0.5,) * 3, (0.5,) * 3)
     datas = _clients(args.clients, args.images, args.batch, args.side, pipe, device)
     settings = TrainSettings(args.epochs, args.batch, {"name": "sgd", "lr": 0.1, "momentum": 0.9})

@@ -53,9 +53,7 @@ def main() -> None:
     for name in ("fedproto", "fedtgp"):
         torch.manual_seed(0)
         method = method_class(name)([prompt_adapter(build_backbone(a)) for a in ARCHS], args.classes,
-                                    {"common_dim": 512}, ORDER)
-        for m in method.models:
-            m.to(args.device)
+                                    {"common_dim": 512}, ORDER).to(args.device)
         server = method.strategy
         state = server.init_state(5)
         settings = TrainSettings(1, args.bs, {"name": "sgd", "lr": 0.01, "momentum": 0.9})

@@ -7,7 +7,6 @@ is validated before any job runs; an error names the file, the key and the allow
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from fedcore.data.facts import dataset_facts
 
 CONFIG_DIR = "config"
 TOP_WHERE = "the top-level config (config/config.yaml or --config)"
-JOB_DEFAULT = {"mem_mb": 48000, "minutes_per_round": 8.0}  # a backbone without a `job` entry (paper scale)
+JOB_DEFAULT = {"mem_mb": 48000}  # host memory of a job whose backbones have no `job` entry (paper scale)
 TRAIN_KEYS = ("dataset", "backbone", "partition", "federation", "optimizer", "evaluation")
 
 
@@ -156,6 +155,8 @@ class Resolved:
     outputs: list[str] = field(default_factory=list)
     selected: set[tuple[str, str]] | None = None
     _scales: dict[str, "Resolved"] = field(default_factory=dict, repr=False, compare=False)  # at_scale's cache
+    # run_resources' cache: the rule asks three times per job (gpu, runtime, mem_mb)
+    _requests: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def scale(self) -> str:
@@ -240,15 +241,20 @@ class Resolved:
         return out
 
     def run_resources(self, experiment: str, method: str) -> dict[str, int]:
-        """A training job's cluster request: gpu, mem_mb and runtime (minutes) from the run's backbones' ``job``
-        entries (the largest asks) times its rounds; mini runs ask for one CPU's worth."""
+        """A training job's cluster request: gpu, mem_mb (the run's backbones' ``job`` entries, the largest ask) and
+        runtime (minutes: fedcore/estimate.py's estimate of the run on one GPU times its margin, computed once per
+        run); mini runs ask for one CPU's worth."""
         if self.scale != "paper":
             return {"gpu": 0, "mem_mb": 2000, "runtime": 10}
-        jobs = [self.backbones[b].get("job", {}) for b in run_backbones(self.experiments[experiment])]
-        mem = max([j.get("mem_mb", JOB_DEFAULT["mem_mb"]) for j in jobs])
-        per_round = max([j.get("minutes_per_round", JOB_DEFAULT["minutes_per_round"]) for j in jobs])
-        rounds = self.federation(experiment, method)["rounds"]
-        return {"gpu": 1, "mem_mb": int(mem), "runtime": int(math.ceil(30 + per_round * rounds))}
+        key = (experiment, method)
+        if key not in self._requests:
+            from fedcore.estimate import estimate_run, request_minutes
+
+            jobs = [self.backbones[b].get("job", {}) for b in run_backbones(self.experiments[experiment])]
+            mem = max([j.get("mem_mb", JOB_DEFAULT["mem_mb"]) for j in jobs])
+            self._requests[key] = {"gpu": 1, "mem_mb": int(mem),
+                                   "runtime": request_minutes(estimate_run(self, experiment, method))}
+        return dict(self._requests[key])
 
     def implemented_methods(self) -> list[str]:
         """Methods whose module exists, plus the variants of those methods (tables say 'not implemented' otherwise)."""

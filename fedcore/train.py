@@ -182,8 +182,7 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     method = cls(backbones if len(backbones) > 1 else backbones[0], bundle.num_classes,
                  params.get("method_params", {}), client_backbones,
                  class_names=prompt_class_names(clip_classnames(bundle.meta), part.class_order))
-    for m in method.models:
-        m.to(dev)
+    method.to(dev)
 
     train = DeviceSplit.from_arrays(bundle.train, dev)
     test = DeviceSplit.from_arrays(bundle.test, dev)

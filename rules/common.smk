@@ -2,10 +2,10 @@
 import glob as _glob
 
 import fedcore
-from fedcore.backbones.registry import UNPINNED, arch_spec
 from fedcore.config import run_backbones
 from fedcore.data.registry import is_embedded
 from fedcore.methods import method_class, method_source, method_sources
+from fedcore.plan import experiment_backbones, method_artifacts, plan_run
 
 SCALE = CFG.scale
 
@@ -68,20 +68,14 @@ def pretrain_code(name):
     return [str(FEDCORE / "backbones" / f) for f in files]
 
 
-def weights_sha256(name):
-    """The sha256 a backbone's weight file must have: None when not checked (pipeline-pretrained files, entries
-    without a `sha256:` key), UNPINNED for `sha256: null` (refused until pinned)."""
-    entry = CFG.backbones[name]
-    if "pretrain" in entry or "sha256" not in entry:
-        return None
-    return entry["sha256"] or UNPINNED
+def plan(experiment, method, seed=0):
+    """The run's plan (fedcore/plan.py): identity, params, backbones, artifacts; seed matters only for identity."""
+    return plan_run(CFG, experiment, method, int(seed))
 
 
 def run_sha256(experiment):
-    """The sha256 of each backbone file a run loads, in the order train_inputs lists the files."""
-    exp = CFG.experiments[experiment]
-    digests = [weights_sha256(b) for b in run_backbones(exp)]
-    return digests if "client_backbones" in exp else digests[0]
+    """The sha256 of each backbone file a run of the experiment loads, in the order train_inputs lists the files."""
+    return experiment_backbones(CFG, experiment)[1]
 
 
 def run_dir(exp, method, seed):
@@ -116,59 +110,38 @@ def partition_spec(wildcards):
 def artifact_files(exp_name, method):
     """Per-sample artifacts a run reads (Method.artifacts): batch extras name -> file built by rule features."""
     exp = CFG.experiments[exp_name]
-    keys = method_class(CFG.base_method(method)).artifacts(CFG.method_params(exp_name, method))
-    return {name: f"{RESULTS}/features/{exp['backbone']}/{exp['dataset']}/{key}.npz" for name, key in keys.items()}
+    return {name: f"{RESULTS}/features/{exp['backbone']}/{exp['dataset']}/{key}.npz"
+            for name, key in method_artifacts(CFG, exp_name, method).items()}
 
 
 def train_inputs(wildcards):
-    exp = CFG.experiments[wildcards.experiment]
-    base = CFG.base_method(wildcards.method)
-    cls = method_class(base)
-    params = {**cls.defaults, **CFG.method_params(wildcards.experiment, wildcards.method)}
+    p = plan(wildcards.experiment, wildcards.method, wildcards.seed)
+    cls = p.method_class
     # the CLIP text-prompt methods also run the CLIP adapter (their text tower) every step
-    clip = [str(FEDCORE / "backbones" / "clip.py")] if "clip_tokens" in cls.artifacts(params).values() else []
+    clip = [str(FEDCORE / "backbones" / "clip.py")] if "clip_tokens" in p.artifacts.values() else []
     out = {
-        "dataset": dataset_file(exp["dataset"]),
+        "dataset": dataset_file(p.dataset),
         "partition": partition_file(wildcards.experiment, wildcards.seed),
-        "code": list(dict.fromkeys(ENGINE_SOURCES + [str(FEDCORE / "methods" / p.name) for p in method_sources(base)]
-                                   + clip)),
+        "code": list(dict.fromkeys(ENGINE_SOURCES + [str(FEDCORE / "methods" / f.name)
+                                                     for f in method_sources(cls.name)] + clip)),
     }
-    files = [backbone_file(b) for b in run_backbones(exp)]
-    # no file when the method trains its own arch (pFedPT) or the backbone is drawn at random (`scratch: true`)
-    if cls.own_backbone(params) is None and None not in files:
-        out["backbone"] = files if "client_backbones" in exp else files[0]
-    for role, name in cls.extra_datasets(params).items():  # FedMD's public data
+    if p.backbones:  # none when the method trains its own arch (pFedPT) or every backbone is drawn at random
+        files = [backbone_file(b) for b in p.backbones]
+        out["backbone"] = files if "client_backbones" in CFG.experiments[wildcards.experiment] else files[0]
+    for role, name in p.extra_datasets.items():  # FedMD's public data
         out[f"extra_dataset_{role}"] = dataset_file(name)
     for name, path in artifact_files(wildcards.experiment, wildcards.method).items():
         out[f"artifact_{name}"] = path
     return out
 
 
-def _arch_tag(name):
-    """'arch' for a backbone with its arch's default weight tag, else 'arch.tag' (train_run builds it so)."""
-    entry = CFG.backbones[name]
-    return f"{entry['arch']}.{entry['tag']}" if "tag" in entry and entry["tag"] != arch_spec(entry["arch"]).default_tag \
-        else entry["arch"]
-
-
 def run_archs(experiment):
     """The arch (or arch.tag) of a run's backbone, or the list of its client backbones'."""
-    exp = CFG.experiments[experiment]
-    if "client_backbones" in exp:
-        return [_arch_tag(b) for b in run_backbones(exp)]
-    return _arch_tag(exp["backbone"])
+    return experiment_backbones(CFG, experiment)[0]
 
 
 def identity(wildcards):
-    exp = CFG.experiments[wildcards.experiment]
-    return {
-        "paper": exp["paper"],
-        "experiment": wildcards.experiment,
-        "method": wildcards.method,
-        "scale": SCALE,
-        "dataset": exp["dataset"],
-        "seed": int(wildcards.seed),
-    }
+    return plan(wildcards.experiment, wildcards.method, wildcards.seed).identity
 
 
 def dataset_raw_stamp(wildcards):

@@ -130,3 +130,9 @@ def scratch_run(files: dict, out, method: str, arch: str = "resnet8_pft_mini", r
               "method_params": method_params}
     return train_run(params, identity(method), files["dataset"], files["partition"], arch, None, out / "m.parquet",
                      out / "f.pt", checkpoint_path=out / "ckpt.pt", progress=False, stop_after_round=stop)
+
+
+@pytest.fixture(scope="session")
+def tiny_method_root(tmp_path_factory):
+    """Where tests/every_method.py builds the mini datasets, cut partitions and artifacts (once per worker)."""
+    return tmp_path_factory.mktemp("every_method")

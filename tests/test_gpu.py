@@ -88,3 +88,45 @@ def test_select_queries_on_cuda_are_fp32(tiny_run_files, tmp_path):
     cpu, gpu = (read_select_queries(tmp_path / f"{d}.npz") for d in ("cpu", "cuda"))
     np.testing.assert_allclose(gpu[0], cpu[0], rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(gpu[1], cpu[1], rtol=1e-3, atol=1e-4)
+
+
+# ---- every registered method and variant on CUDA ---------------------------------------------------------------
+from every_method import recorded, representative_runs, tiny_run  # noqa: E402
+
+EVERY_RUN = [pytest.param(e, m, id=m) for e, m in representative_runs()]
+
+
+@pytest.mark.parametrize("experiment, method", EVERY_RUN)
+def test_every_method_trains_two_rounds_on_cuda(experiment, method, tiny_method_root, tmp_path, monkeypatch):
+    """Each method and variant (one per code path, tests/every_method.py) as the mini config runs it: two rounds on
+    CUDA, its batched path where it has one; every state and payload on the GPU."""
+    from fedcore.engine.placement import off_device
+
+    rec = recorded(monkeypatch)
+    result = tiny_run(experiment, method, tiny_method_root).train(tmp_path, device="cuda", batched=True)
+    validate_metrics(result.metrics, f"{method} on cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert rec.last.device.type == "cuda"
+    assert off_device(result.server_state, dev) == [] and off_device(result.client_states, dev) == []
+
+
+@pytest.mark.parametrize("experiment, method", EVERY_RUN)
+def test_clients_trained_together_on_cuda_equal_one_by_one(experiment, method, tiny_method_root, tmp_path,
+                                                          monkeypatch):
+    """Wherever the engine trains a round's clients together on CUDA, the run resembles the one-by-one run (bf16
+    autocast rounds both paths differently, so resemblance, not equality: the first round's loss and the final
+    server tensors)."""
+    from fedcore.engine import loop
+
+    rec = recorded(monkeypatch)
+    run = tiny_run(experiment, method, tiny_method_root)
+    together = run.train(tmp_path / "together", device="cuda", batched=True)
+    if loop._why_not_together(rec.last.method) is not None:
+        pytest.skip(f"{method} trains its clients one by one on CUDA: {loop._why_not_together(rec.last.method)}")
+    monkeypatch.setattr(loop, "_why_not_together", lambda method: "forced one by one")
+    alone = run.train(tmp_path / "alone", device="cuda", batched=True)
+    sel = "client == -1 and split == 'train' and metric == 'loss' and round == 1"
+    a, b = (r.metrics.query(sel)["value"].iloc[0] for r in (together, alone))
+    assert abs(a - b) <= 0.05 * max(1.0, abs(b)), (a, b)
+    for name, t in alone.global_state.items():
+        torch.testing.assert_close(together.global_state[name].float(), t.float(), rtol=0.05, atol=0.02, msg=name)

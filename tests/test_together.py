@@ -296,8 +296,18 @@ def _scale_inputs(batch: Batch) -> Batch:
     return batch._replace(x=batch.x * batch.extras["scale"][..., None])
 
 
+@pytest.fixture
+def float64():
+    """float64 by default within the test: Adam amplifies fp32 reassociation noise past 1e-5 on some CPUs (1.8e-5
+    seen on one), which is not what the test is about."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
 @pytest.mark.parametrize("opt", [SGD, ADAM], ids=["sgd", "adam"])
-def test_phases_with_carry_mutable_tensors_and_prepare_equal_one_by_one(opt):
+def test_phases_with_carry_mutable_tensors_and_prepare_equal_one_by_one(opt, float64):
     torch.manual_seed(3)
     model = TwoPhase()
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]

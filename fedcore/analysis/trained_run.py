@@ -110,9 +110,7 @@ def load_trained_run(params: dict[str, Any], identity: dict[str, Any], dataset_p
     name, _, tag = arch.partition(".")
     net = build_backbone(name, weights, tag or None, input_size=params.get("input_size"), sha256=sha256)
     info = backbone_info(net)
-    method = cls(prompt_adapter(net).to(dev), bundle.num_classes, params.get("method_params", {}))
-    for m in method.models:
-        m.to(dev)
+    method = cls(prompt_adapter(net).to(dev), bundle.num_classes, params.get("method_params", {})).to(dev)
     train = DeviceSplit.from_arrays(bundle.train, dev)
     test = DeviceSplit.from_arrays(bundle.test, dev)
     source = train if part.spec.get("test_from") == "train" else test

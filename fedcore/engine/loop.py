@@ -15,6 +15,8 @@ from tqdm.auto import tqdm
 from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
 from fedcore.engine.evaluate import EvalSets, evaluate_round
 from fedcore.engine.optim import ClientData, TrainSettings
+from fedcore.engine.placement import Boundary, check_model_device, place
+from fedcore.engine.precision import rules_device
 from fedcore.engine.roles import FitResult, Method, Payload, RoundContext, RoundInfo, payload_numbers
 from fedcore.engine.sampling import stream_seed
 from fedcore.engine.together import has_attention
@@ -122,13 +124,7 @@ class Checkpoint:
 
 def to_device(state: dict, device: torch.device) -> dict:
     """Move a (possibly nested) state of tensors to ``device``."""
-    if isinstance(state, torch.Tensor):
-        return state.to(device)
-    if isinstance(state, dict):
-        return {k: to_device(v, device) for k, v in state.items()}
-    if isinstance(state, list):
-        return [to_device(v, device) for v in state]
-    return state
+    return place(state, device)
 
 
 def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_train: list[torch.Tensor],
@@ -147,6 +143,8 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
     settings = TrainSettings(int(fed["local_epochs"]), int(fed["batch_size"]), dict(spec.optimizer))
     eval_bs = int(spec.evaluation.get("batch_size", 4 * settings.batch_size))
     device = train.x.device
+    check_model_device(method.models, device)
+    roles = Boundary(method, device)  # every state and payload a role hands over comes out on the run's device
     ckpt = Checkpoint(checkpoint_path, spec.fingerprint(), checkpoint_inputs)
     client, strategy, evaluator = method.client, method.strategy, method.evaluator
     if client_weights is not None and len(client_weights) != num_clients:
@@ -165,20 +163,20 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
 
     state = ckpt.load()
     if state is None:
-        server = strategy.init_state(num_clients)
-        ups = [(c, client.setup(c, data_of(c, 0))) for c in range(num_clients)]
+        server = roles.server_init(num_clients)
+        ups = [(c, roles.client_setup(c, data_of(c, 0))) for c in range(num_clients)]
         ups = [FitResult(c, len(client_train[c]) if client_weights is None else client_weights[c], up, {})
                for c, up in ups if up is not None]
         if ups:
-            strategy.setup(server, ups)
+            server = roles.server_setup(server, ups)
         state = {"round": 0, "server": server, "clients": {}, "rows": []}
     else:
-        state = to_device(state, device)
+        state = place(state, device)
         log.info("resuming from round %d of %d", state["round"], rounds)
     clients: dict[int, Payload] = state["clients"]
 
     def client_state(c: int) -> Payload:
-        return clients[c] if c in clients else client.init_state(c)
+        return clients[c] if c in clients else roles.client_init(c)
 
     why_not = _why_not_together(method)
     log.info("clients train %s", "together (one vectorised pass per step)" if why_not is None
@@ -187,12 +185,12 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
                initial=state["round"], total=rounds)
     for r in bar:
         info = RoundInfo(r, num_clients, float(fed["participation"]), spec.seed)
-        selected = strategy.select(info, state["server"])
+        selected, state["server"] = roles.select(info, state["server"])
         datas = [data_of(c, r) for c in selected]
         if why_not is None and len(selected) > 1 and len({method.backbone_index(c) for c in selected}) == 1:
-            outcomes = _fit_together(method, state["server"], [client_state(c) for c in selected], datas, settings)
+            outcomes = _fit_together(roles, state["server"], [client_state(c) for c in selected], datas, settings)
         else:
-            outcomes = (_fit_one(method, state["server"], client_state(d.cid), d, settings, spec.seed, r)
+            outcomes = (_fit_one(roles, state["server"], client_state(d.cid), d, settings, spec.seed, r)
                         for d in datas)
         results: list[FitResult] = []
         for new_state, res in outcomes:  # one by one: the generator configures the next client after this
@@ -200,10 +198,10 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
                 res = replace(res, num_samples=client_weights[res.cid])
             clients[res.cid] = new_state
             results.append(res)
-            state["server"] = strategy.observe(info, state["server"], res)
+            state["server"] = roles.observe(info, state["server"], res)
             state["rows"].append((r, res.cid, "train", "loss", float(res.stats.get("loss", float("nan")))))
         state["rows"].extend(_upload_rows(r, results))
-        state["server"] = strategy.aggregate(info, state["server"], results)
+        state["server"] = roles.aggregate(info, state["server"], results)
         losses = [float(res.stats.get("loss", float("nan"))) for res in results]
         state["rows"].append((r, -1, "train", "loss", float(sum(losses) / len(losses))))
         if client.log_stats:
@@ -277,12 +275,12 @@ def trains_batchnorm(model: torch.nn.Module) -> bool:
                for m in model.modules())
 
 
-def _fit_one(method: Method, server: Payload, state: Payload, data: ClientData, settings: TrainSettings,
+def _fit_one(roles: Boundary, server: Payload, state: Payload, data: ClientData, settings: TrainSettings,
              seed: int, r: int) -> tuple[Payload, FitResult]:
     """One client's round on its own."""
     torch.manual_seed(stream_seed(seed, r, data.cid, 1))  # any method-internal randomness
-    method.model_for(data.cid).train()
-    return method.client.fit(data.cid, state, method.strategy.configure(server, data.cid), data, settings)
+    roles.method.model_for(data.cid).train()
+    return roles.fit(data.cid, state, roles.downlink(server, data.cid), data, settings)
 
 
 def _why_not_together(method: Method) -> str | None:
@@ -294,16 +292,15 @@ def _why_not_together(method: Method) -> str | None:
     if client.keep_optimizer:
         return "the client keeps its optimiser across rounds"
     model = method.models[0]
-    if _a_tensor_of(model).is_cuda and has_attention(model) and not client.attention_together_on_cuda:
+    if rules_device(_a_tensor_of(model)) == "cuda" and has_attention(model) and not client.attention_together_on_cuda:
         return "attention on CUDA: one client at a time is faster there (fedcore/engine/together.py, Limits)"
     return None
 
 
-def _fit_together(method: Method, server: Payload, states: list[Payload], datas: list[ClientData],
+def _fit_together(roles: Boundary, server: Payload, states: list[Payload], datas: list[ClientData],
                   settings: TrainSettings) -> list[tuple[Payload, FitResult]]:
     """The round's clients trained in one vectorised pass per step (the client's ``fit_together``)."""
-    downlinks = [method.strategy.configure(server, d.cid) for d in datas]
-    return method.client.fit_together(states, downlinks, datas, settings)
+    return roles.fit_together(states, [roles.downlink(server, d.cid) for d in datas], datas, settings)
 
 
 def _a_tensor_of(model: torch.nn.Module) -> torch.Tensor:

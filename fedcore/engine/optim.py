@@ -10,6 +10,10 @@ import torch
 from torch import Tensor, nn
 
 from fedcore.engine.data import Batch, InputPipeline
+from fedcore.engine.precision import autocast_for
+
+__all__ = ["TrainSettings", "ClientData", "autocast_for", "make_optimizer", "run_epochs", "epoch_stream",
+           "only_training"]
 
 
 @dataclass
@@ -40,11 +44,6 @@ class ClientData:
     # the run's input pipeline behind ``augment`` (which draws from ``generator``): its draw/apply split lets clients
     # trained together make their views in one batched call; None outside a run
     pipeline: InputPipeline | None = None
-
-
-def autocast_for(x: Tensor) -> torch.autocast:
-    """bf16 autocast on CUDA (the frozen backbone dominates the cost), a no-op on CPU (keeps CPU runs bit-exact)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda)
 
 
 def make_optimizer(params: list[nn.Parameter], cfg: dict) -> torch.optim.Optimizer:

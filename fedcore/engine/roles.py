@@ -401,6 +401,13 @@ class Method:
         self.extra_data[role] = data
 
     # ---- models and their state (engine and roles use these) -------------------------------------
+    def to(self, device: torch.device | str) -> "Method":
+        """Move every model and the initial state (where the server's first state comes from) to ``device``."""
+        for m in self.models:
+            m.to(device)
+        self._initial = [{k: v.to(device) for k, v in init.items()} for init in self._initial]
+        return self
+
     def backbone_index(self, cid: int) -> int:
         """Which backbone (and model) client ``cid`` uses."""
         return 0 if self.client_backbones is None else self.client_backbones[cid]

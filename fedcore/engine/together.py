@@ -26,7 +26,8 @@ BatchNorm: in train mode, torch's batch-norm batching rule normalises each clien
 statistics and, when the running stats are batched too, updates every client's own row in place. The
 vmapped function works on clones of the buffers and returns them (read back from the module inside the
 functional call, so in-place updates and reassignments are both caught); the caller writes them into the
-group's rows.
+group's rows. Under autocast each BatchNorm normalises in its own (fp32) dtype: on CUDA the vmapped batch norm
+raises on a bf16 input with fp32 running statistics (:func:`batchnorm_in_own_dtype`).
 
 Phases (:func:`train_phases_together`, reference :func:`phases_one_by_one`): a client update made of several
 kinds of step (FedPFT's feature and task phases) is one optimiser over streams of (phase, batch) steps; each
@@ -51,6 +52,7 @@ only on CPU (:func:`has_attention`); ``loss_fn`` sees the real module (its tenso
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -69,6 +71,29 @@ _TENSOR = object()  # marks a batch leaf that is a (stacked) tensor
 def has_attention(model: nn.Module) -> bool:
     """Whether ``model`` holds attention layers (timm/fedcore ViT ``Attention``, ``nn.MultiheadAttention``)."""
     return any(isinstance(m, nn.MultiheadAttention) or type(m).__name__.endswith("Attention") for m in model.modules())
+
+
+def _norm_input_dtype(module: nn.Module, args: tuple) -> tuple | None:
+    """A BatchNorm's input cast to the dtype of its weights and running statistics (see :func:`batchnorm_in_own_dtype`)."""
+    own = next((t.dtype for t in (module.weight, module.running_mean) if isinstance(t, Tensor)), None)
+    x = args[0]
+    if own is None or not isinstance(x, Tensor) or x.dtype == own:
+        return None
+    return (x.to(own), *args[1:])
+
+
+@contextlib.contextmanager
+def batchnorm_in_own_dtype(model: nn.Module) -> Iterator[None]:
+    """Within the block every BatchNorm of ``model`` normalises its input in the dtype of its own weights and running
+    statistics (fp32), not autocast's bf16: vmapped batch norm on CUDA refuses a bf16 input with fp32 running
+    statistics ("Expected running_mean to have type BFloat16 but got Float"), which CPU autocast does not show."""
+    handles = [m.register_forward_pre_hook(_norm_input_dtype) for m in model.modules()
+               if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def default_batch_len(batch: Any) -> int:
@@ -345,8 +370,9 @@ def train_phases_together(model: nn.Module, names: list[str], phases: dict[Any, 
             bound.loss_fn = phase.loss
             fn = vmap(lambda tr, ot, fr, ow, lv: client_loss(tr, ot, fr, ow, lv, spec, loose),
                       in_dims=(0, 0, None, 0, 0), randomness="error")
-            # the math attention kernel: the fused kernels' backward has no working batching rule (see Limits)
-            with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+            # the math attention kernel: the fused kernels' backward has no working batching rule (see Limits);
+            # BatchNorm in fp32 under autocast (cudnn's vmapped batch norm wants one dtype)
+            with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH), batchnorm_in_own_dtype(model):
                 loss, new_carry, logs, changed = fn(train, other, shared, own, tensors)
                 grads = torch.autograd.grad(loss.sum(), list(train.values()), allow_unused=True)
             for n, v in changed.items():

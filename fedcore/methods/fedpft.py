@@ -36,10 +36,11 @@ statistics, the key encoder (EMA in place under vmap, its own BatchNorm statisti
 enqueue as a function, :func:`pft_modules.enqueued`). Each client's views come from its own generator in the
 order of the one-by-one loop (an epoch's shuffle, then per batch the base view's, query's and key's draws), then
 one batched warp for all the group's images: the same random numbers, so the same client states up to float
-reassociation (float64: 1e-9). ``auto`` (default): together on CUDA, one by one on the CPU, where batching is
-about even at mini and slower at larger shapes (benchmarks/bench_fedpft.py); ``batched`` / ``one_by_one`` force
+reassociation (float64: 1e-9). ``auto`` (default): together only on a device where the batched round was measured
+faster (``BATCHED_FASTER_ON``: none yet; on the CPU batching is about even at mini and slower at larger shapes,
+benchmarks/bench_fedpft.py; on CUDA it is not measured yet), one by one elsewhere; ``batched`` / ``one_by_one`` force
 one, and ``batched`` raises where it cannot run. τ runs in fp32 in both paths (autocast off: vmapped attention's
-backward fails in bf16 on CUDA).
+backward fails in bf16 on CUDA); the batched round's BatchNorms normalise in fp32 under autocast (the engine's rule).
 
 Variants (§1.11, Table 3): ``contrastive: false`` (w/o L_Con = Setting III: no h_ρ, p_ρ, MoCo; the feature phase
 trains p_κ and τ with L_CE); ``alternate: false`` (one joint phase of all epochs, every part trained by the summed
@@ -61,6 +62,7 @@ from torch.utils._pytree import tree_map
 from fedcore.constraints import Choice, Flag, Int, Number
 from fedcore.engine.data import AUGMENTATIONS, PIXEL_AUGMENTATIONS
 from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, make_optimizer, only_training
+from fedcore.engine.precision import rules_device
 from fedcore.engine.roles import (Client, FitResult, Method, Payload, RoundInfo, Strategy, load_state,
                                   module_state)
 from fedcore.engine.sampling import stream_seed
@@ -113,6 +115,11 @@ def phase_plan(params: dict[str, Any], local_epochs: int, stage: int = 0) -> lis
     return [(feature, rf), (task, local_epochs - rf)]
 
 
+#: device types where FedPFT's batched round was measured faster than one by one (benchmarks/bench_fedpft.py): none
+#: yet. CPU: 0.40-1.40x (slower at larger shapes); CUDA: not measured (scripts/gpu_check.sh measures it).
+BATCHED_FASTER_ON: frozenset[str] = frozenset()
+
+
 class Drawn(NamedTuple):
     """One step of a client trained together: its batch and the random draws of its views, made from the client's
     own generator when the step is pulled (the order of :meth:`FedPFTClient.losses`); applied batched later."""
@@ -133,14 +140,15 @@ class FedPFTClient(Client):
     attention_together_on_cuda = True  # τ runs in fp32 (PFTModel.transform) and is one layer over 1 + n tokens
 
     def together_blocker(self) -> str | None:
-        """``client_batching``: batched / one_by_one as asked; auto: together on CUDA, one by one on the CPU, where
-        it measured faster (benchmarks/bench_fedpft.py)."""
+        """``client_batching``: batched / one_by_one as asked; auto: together only on a device where the batched
+        round was measured faster (``BATCHED_FASTER_ON``), one by one elsewhere."""
         mode = self.params["client_batching"]
         if mode == "one_by_one":
             return "method_params client_batching: one_by_one"
-        if mode == "auto" and not next(iter(self.method.models[0].parameters())).is_cuda:
-            return "client_batching: auto trains FedPFT's clients one by one on the CPU (batching is not faster " \
-                   "there: benchmarks/bench_fedpft.py)"
+        device = rules_device(next(iter(self.method.models[0].parameters())))
+        if mode == "auto" and device not in BATCHED_FASTER_ON:
+            return (f"client_batching: auto trains FedPFT's clients one by one on the {device.upper()}: batching was "
+                    "not measured faster there (benchmarks/bench_fedpft.py)")
         return None
 
     def _personal(self, key: str) -> bool:

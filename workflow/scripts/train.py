@@ -3,12 +3,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(snakemake.scriptdir)))
+import _gpu  # noqa: E402
 import _log  # noqa: E402
-
-from fedcore.train import train_run  # noqa: E402
 
 p = snakemake.params
 _log.setup(snakemake, history=p.log_history)
+_gpu.claim(snakemake)  # before CUDA starts: one free GPU of the machine for a gpu=1 job
+from fedcore.train import train_run  # noqa: E402
+
 artifacts = {k.removeprefix("artifact_"): v for k, v in snakemake.input.items() if k.startswith("artifact_")}
 extra = {k.removeprefix("extra_dataset_"): v for k, v in snakemake.input.items() if k.startswith("extra_dataset_")}
 backbone = getattr(snakemake.input, "backbone", None)  # absent: the method builds its own (pFedPT)
