@@ -1,7 +1,7 @@
 # Input functions, captions and code lists of the report rules (rules/report.smk, rules/claims.smk): Snakemake's
 # linter wants functions apart from the rules that use them.
-from fedcore.report.html_pages import (copy_page, output_description, output_title, paper_title, report_caption,
-                                       report_category, title_key)
+from fedcore.report.html_pages import (copy_page, figure_page, output_description, output_title, paper_title,
+                                       report_caption, report_category, title_key)
 from fedcore.jobtime import time_path
 from fedcore.report.inventory import configured_runs, method_labels, unbuilt_outputs
 from fedcore.data.sources import FOLDER_LAYOUT_DATASETS

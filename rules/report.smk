@@ -6,7 +6,7 @@
 # and Scorecard, and the Choices and deviations. Each item is a page of its own under results/report/items (a
 # figure with its caption under it; a copy of a table or page), built by a job whose only params are its caption:
 # the report's info panel shows a job's params, and the jobs that build the tables carry whole config sections.
-localrules: report_copy
+localrules: figure_page, report_copy  # in Snakemake's own process: no Python start per page
 
 
 rule aggregate_metrics:
@@ -129,8 +129,8 @@ rule figure_page:
         report_caption=item_caption,
     log:
         f"{RESULTS}/logs/report/figure_page/{{folder}}_{{name}}.log",
-    script:
-        "../workflow/scripts/figure_page.py"
+    run:
+        figure_page(input.png, output[0], params.title, params.caption, params.scale)
 
 
 rule report_copy:
