@@ -15,6 +15,8 @@ RESOURCES = CFG.top["resources"]
 
 
 include: "rules/common.smk"
+include: "rules/common_probes.smk"
+include: "rules/common_report.smk"
 include: "rules/data.smk"
 include: "rules/backbones.smk"
 include: "rules/partitions.smk"
@@ -34,3 +36,4 @@ rule all:
         all_partition_summaries(),
         all_claim_reports(),
         all_report_pages(),
+        all_report_items(),

@@ -562,6 +562,9 @@ def _select_outputs(resolved: Resolved) -> None:
             raise ConfigError(f"config error in {TOP_WHERE} at outputs: 'headline' builds each paper's headline: "
                               f"list, but config/reports/<paper>.yaml of {bare} has none (add one, or use "
                               "outputs=all or a list of names)")
+    if outputs == "claims":  # every loaded paper's claims: exactly the runs their verdicts need
+        _select_claim_runs(resolved)
+        return
     try:
         chosen = chosen_outputs(outputs, headline, resolved.tables, resolved.figures)
     except ValueError as e:
@@ -572,6 +575,17 @@ def _select_outputs(resolved: Resolved) -> None:
         return
     resolved.selected = set().union(*[output_runs(n, resolved.tables, resolved.figures, resolved.experiments, part)
                                       for n, parts in chosen.items() for part in parts])
+
+
+def _select_claim_runs(resolved: Resolved) -> None:
+    """``outputs: claims``: the tables and figures the loaded papers' claims read, and only the runs whose cells
+    the claims' verdicts need (fedcore/selection.py claim_runs)."""
+    from fedcore.selection import claim_runs, claims_outputs
+
+    claims = {p: r.get("claims", []) for p, r in resolved.reports.items() if p in resolved.top["papers"]}
+    resolved.outputs = list(claims_outputs(claims))
+    resolved.selected = set().union(*[claim_runs(c, resolved.tables, resolved.figures, resolved.experiments)
+                                      for items in claims.values() for c in items])
 
 
 def _check_mappings(scale: dict, scale_file: Path, backbones: dict, datasets) -> None:
@@ -720,6 +734,10 @@ def _load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: 
                 _check_figure(entry, resolved.experiments, where, runnable)
                 entry["labels"] = {m: labels.get(m, m) for m in sorted(figure_methods(entry, resolved.experiments))}
             entry["source_paper"] = paper  # its section of the HTML report (entry["paper"]: the paper's numbers)
+            if kind == "tables" and entry.get("kind", "metrics") == "metrics":
+                for key in ("reported_round", "identical_rows"):  # the paper's, for the table's notes
+                    if key in report:
+                        entry[key] = report[key]
             getattr(resolved, kind)[name] = entry
     tables = {n: resolved.tables[n] for n in report.get("tables", {})}
     figures = {n: resolved.figures[n] for n in report.get("figures", {})}

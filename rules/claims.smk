@@ -3,11 +3,6 @@
 # Both read only the aggregated metrics (claims and the scorecard use tables of kind metrics and sweep figures).
 
 
-def all_claim_reports():
-    return [f"{RESULTS}/report/{p}_{what}.{ext}" for p in CFG.top["papers"] for what in ("claims", "scorecard")
-            for ext in ("csv", "md")]
-
-
 rule claims:
     input:
         metrics=f"{RESULTS}/metrics.parquet",

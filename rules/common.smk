@@ -1,6 +1,7 @@
-# Helpers shared by the rule files: paths, wildcard constraints, per-run params, code inputs.
+# Helpers shared by the rule files (paths, wildcard constraints, per-run params, code inputs); rules live elsewhere.
 import fedcore
 from fedcore.code_inputs import code_files
+from fedcore.data.registry import is_generated
 from fedcore.methods import method_module
 from fedcore.plan import experiment_backbones, method_artifacts, plan_run
 
@@ -144,3 +145,10 @@ def run_archs(experiment):
 
 def identity(wildcards):
     return plan(wildcards.experiment, wildcards.method, wildcards.seed).identity
+
+
+def dataset_raw_stamp(wildcards):
+    """A downloaded dataset's verified raw files; none for a generated one (embedded or synthetic)."""
+    if is_generated(wildcards.dataset):
+        return []
+    return [f"{RESOURCES}/raw/{wildcards.dataset}.verified.json"]

@@ -1,15 +1,8 @@
 # Datasets: embedded and synthetic ones are generated; paper-scale ones are downloaded (or placed by hand),
 # verified by checksum, then converted once into one .npz bundle per dataset.
-from fedcore.data.registry import is_generated
 
 # Downloads need the internet, which cluster compute nodes often lack: run them on the submit host.
 localrules: fetch_dataset, check_data
-
-
-def dataset_raw_stamp(wildcards):
-    if is_generated(wildcards.dataset):
-        return []
-    return [f"{RESOURCES}/raw/{wildcards.dataset}.verified.json"]
 
 
 rule fetch_dataset:
@@ -18,7 +11,8 @@ rule fetch_dataset:
     output:
         f"{RESOURCES}/raw/{{dataset}}.verified.json",
     params:
-        resources=RESOURCES,
+        # the resources directory, read off the output (<resources>/raw/<dataset>.verified.json)
+        resources=lambda wc, output: str(Path(output[0]).parent.parent),
         checksums=CHECKSUMS,
     log:
         f"{RESULTS}/logs/fetch_dataset/{{dataset}}.log",

@@ -2,144 +2,11 @@
 # probe's output (rules/probes.smk) or from a partition's class counts, each declared as an input so an
 # edit of it reruns the output. The config's `kind` picks the builder (fedcore/report/render.py).
 # `snakemake --report results/report.html` gathers every output wrapped in report(...) below into one HTML
-# page: a section (category) per paper with its Tables, Figures and Runs, and the Choices and deviations.
-from fedcore.papers import paper_title
-from fedcore.report.html_pages import report_caption
-from fedcore.report.inventory import configured_runs, method_labels, unbuilt_outputs
-from fedcore.data.sources import FOLDER_LAYOUT_DATASETS
-from fedcore.report.render import figure_input, personalized_flags, table_input
-
-# The code a table or figure runs (its script's imports: rules/common.smk `code`): an edit of it rebuilds them
-# (cheap), never a training run.
-TABLE_CODE, FIGURE_CODE = code("make_table.py"), code("make_figure.py")
-
-# >>> Claim checks and scorecards: the ONE place to add them to the HTML report. The rules `claims` and
-# `scorecard` (another change) write results/report/{paper}_claims.md and {paper}_scorecard.md; list each page
-# name here with its subcategory, e.g. {"claims": "Claim check", "scorecard": "Scorecard"}, and rule
-# markdown_page turns it into an HTML page in its paper's section (rule all then asks for it).
-REPORT_MARKDOWN_PAGES = {"claims": "Claim check", "scorecard": "Scorecard"}
-
-# Every report item's caption: its config caption and scale, passed as the job's `report_caption` param.
-ITEM_CAPTION = "../workflow/report/item.rst"
-
-DEVIATIONS_MD = Path(workflow.basedir) / "DEVIATIONS.md"
-if DEVIATIONS_MD.resolve().is_relative_to(Path.cwd().resolve()):
-    DEVIATIONS_MD = DEVIATIONS_MD.resolve().relative_to(Path.cwd().resolve())
-
-
-def all_report_pages():
-    """The report's pages besides tables and figures: each paper's run inventory (and listed Markdown pages),
-    and the deviations."""
-    papers = [p for p in CFG.top["papers"] if any(x["paper"] == p for x in CFG.experiments.values())]
-    return ([f"{RESULTS}/report/{p}_runs.html" for p in papers]
-            + [f"{RESULTS}/report/{p}_{page}.html" for p in papers for page in REPORT_MARKDOWN_PAGES]
-            + [f"{RESULTS}/report/deviations.html"])
-
-
-def table_section(wildcards):
-    """A table's report category: its paper."""
-    return paper_title(CFG.tables[wildcards.name]["source_paper"])
-
-
-def figure_section(wildcards):
-    """A figure's report category: its paper."""
-    return paper_title(CFG.figures[wildcards.name]["source_paper"])
-
-
-def paper_section(wildcards):
-    """A per-paper page's report category."""
-    return paper_title(wildcards.paper)
-
-
-def table_caption(wildcards):
-    return report_caption(CFG.tables[wildcards.name]["caption"], SCALE)
-
-
-def figure_caption(wildcards):
-    return report_caption(CFG.figures[wildcards.name]["caption"], SCALE)
-
-
-def paper_table_csvs(wildcards):
-    """The CSVs of a paper's tables that this run builds (the inventory lists their cells without a number)."""
-    return [f"{RESULTS}/tables/{t}.csv" for t, x in CFG.tables.items()
-            if x["source_paper"] == wildcards.paper and t in CFG.outputs]
-
-
-def markdown_page_subcategory(wildcards):
-    return REPORT_MARKDOWN_PAGES[wildcards.page]
-
-
-def partition_counts_file(exp, seed):
-    """The class-count summary the partition rule writes beside the partition file."""
-    return partition_file(exp, seed).removesuffix(".npz") + ".counts.csv"
-
-
-def report_data(name, kind_input):
-    """Path of the one data file a table or figure named `name` reads (see fedcore/report/render.py)."""
-    if kind_input == "metrics":
-        return f"{RESULTS}/metrics.parquet"
-    if kind_input == "counts":
-        return f"{RESULTS}/probes/{name}/param_counts.csv"
-    if kind_input == "embedding":
-        return f"{RESULTS}/probes/{name}/tsne.npz"
-    if kind_input == "prompt_embedding":
-        return f"{RESULTS}/probes/{name}/prompt_tsne.npz"
-    if kind_input == "plans":
-        return f"{RESULTS}/probes/{name}/transport_plans.npz"
-    if kind_input == "values":
-        return f"{RESULTS}/probes/{name}/congruence.csv"
-    if kind_input == "probe_runs":  # rules/probes_runs.smk: one CSV per probed run
-        return linear_probe_files(name)
-    if kind_input == "run_embedding":
-        return f"{RESULTS}/probes/{name}/run_tsne.npz"
-    if kind_input == "attention":
-        return f"{RESULTS}/probes/{name}/attention.npz"
-    if kind_input == "partition":
-        return partition_counts_file(CFG.figures[name]["experiment"], CFG.seeds[0])
-    if kind_input == "partitions":
-        return [partition_counts_file(p["experiment"], CFG.seeds[0]) for p in CFG.figures[name]["panels"]]
-    raise ValueError(f"unknown report input {kind_input!r}")
-
-
-def report_bundles(entry):
-    """The bundles a data-only table or figure reads: the scale's dataset of each row or panel (if mapped)."""
-    return sorted({dataset_file(c) for c in entry["concrete"].values() if c is not None})
-
-
-def folder_layout_bundles(table):
-    """With allow_folder_layout, the bundles of the table's Office/DomainNet experiments: the table reads their
-    meta and marks cells built on image folders (without it such a bundle is refused, so nothing to read)."""
-    if not CFG.top["allow_folder_layout"] or table.get("kind", "metrics") != "metrics":
-        return []
-    datasets = {CFG.experiments[c["experiment"]]["dataset"] for c in table["columns"]}
-    return sorted(dataset_file(d) for d in datasets if d in FOLDER_LAYOUT_DATASETS)
-
-
-def table_inputs(wildcards):
-    table = CFG.tables[wildcards.name]
-    kind_input = table_input(table)
-    if kind_input == "datasets":
-        return {"datasets": report_bundles(table), "code": TABLE_CODE}
-    return {kind_input: report_data(wildcards.name, kind_input), "bundles": folder_layout_bundles(table),
-            "code": TABLE_CODE}
-
-
-def figure_inputs(wildcards):
-    fig = CFG.figures[wildcards.name]
-    kind_input = figure_input(fig)
-    if kind_input == "datasets":
-        return {"datasets": report_bundles(fig), "code": FIGURE_CODE}
-    if kind_input == "partition_files":  # one partition file per panel's experiment, all on one dataset
-        exps = [CFG.experiments[p["experiment"]] for p in fig["panels"]]
-        return {"partition_files": [partition_file(p["experiment"], CFG.seeds[0]) for p in fig["panels"]],
-                "dataset": dataset_file(exps[0]["dataset"]), "code": FIGURE_CODE}
-    return {kind_input: report_data(wildcards.name, kind_input), "code": FIGURE_CODE}
-
-
-def figure_personalized(wildcards):
-    """PFL/GFL per method, for the scatter's markers (only what the figure draws, so params stay stable)."""
-    fig = CFG.figures[wildcards.name]
-    return personalized_flags(fig.get("methods", []), CFG.base_method) if fig["kind"] == "scatter" else {}
+# page: the summary on its front page, a section (category) per paper with its Tables, Figures, Runs, Claim check
+# and Scorecard, and the Choices and deviations. Each item is a page of its own under results/report/items (a
+# figure with its caption under it; a copy of a table or page), built by a job whose only params are its caption:
+# the report's info panel shows a job's params, and the jobs that build the tables carry whole config sections.
+localrules: figure_page, report_copy  # in Snakemake's own process: no Python start per page
 
 
 rule aggregate_metrics:
@@ -161,14 +28,13 @@ rule table:
         md=f"{RESULTS}/tables/{{name}}.md",
         tex=f"{RESULTS}/tables/{{name}}.tex",
         csv=f"{RESULTS}/tables/{{name}}.csv",
-        html=report(f"{RESULTS}/tables/{{name}}.html", caption=ITEM_CAPTION, category=table_section,
-                    subcategory="Tables"),
+        html=f"{RESULTS}/tables/{{name}}.html",
     params:
-        report_caption=table_caption,
         table=lambda wc: CFG.tables[wc.name],
         experiments=CFG.report_view(),
         scale=SCALE,
         implemented=CFG.implemented_methods(),
+        eval_sets=lambda wc: table_eval_sets(wc.name),
     log:
         f"{RESULTS}/logs/table/{{name}}.log",
     script:
@@ -179,11 +45,9 @@ rule figure:
     input:
         unpack(figure_inputs),
     output:
-        png=report(f"{RESULTS}/figures/{{name}}.png", caption=ITEM_CAPTION, category=figure_section,
-                   subcategory="Figures"),
+        png=f"{RESULTS}/figures/{{name}}.png",
         pdf=f"{RESULTS}/figures/{{name}}.pdf",
     params:
-        report_caption=figure_caption,
         figure=lambda wc: CFG.figures[wc.name],
         experiments=CFG.report_view(),
         scale=SCALE,
@@ -202,8 +66,7 @@ rule run_inventory:
         tables=paper_table_csvs,
         code=code("run_inventory.py"),
     output:
-        html=report(f"{RESULTS}/report/{{paper}}_runs.html", caption=ITEM_CAPTION, category=paper_section,
-                    subcategory="Runs"),
+        html=f"{RESULTS}/report/{{paper}}_runs.html",
         csv=f"{RESULTS}/report/{{paper}}_runs.csv",
     wildcard_constraints:
         paper="|".join(CFG.top["papers"]),
@@ -212,9 +75,6 @@ rule run_inventory:
         labels=lambda wc: method_labels(CFG, wc.paper),
         unbuilt=lambda wc: unbuilt_outputs(CFG, wc.paper),
         scale=SCALE,
-        report_caption=lambda wc: report_caption(
-            f"{paper_title(wc.paper)}: which configured runs have metrics, which are incomplete or missing, and "
-            "which table cells have no number (and why).", SCALE),
     log:
         f"{RESULTS}/logs/report/{{paper}}_runs.log",
     script:
@@ -226,13 +86,10 @@ rule deviations_page:
         md=str(DEVIATIONS_MD),
         code=code("markdown_page.py"),
     output:
-        report(f"{RESULTS}/report/deviations.html", caption=ITEM_CAPTION, category="Choices and deviations"),
+        f"{RESULTS}/report/deviations.html",
     params:
         title="Choices, deviations and measurements",
         toc=True,
-        report_caption=report_caption(
-            "DEVIATIONS.md: every choice where a paper is silent and every departure from a paper or its code, "
-            "with measurements.", SCALE),
     log:
         f"{RESULTS}/logs/report/deviations.log",
     script:
@@ -244,16 +101,74 @@ rule markdown_page:
         md=f"{RESULTS}/report/{{paper}}_{{page}}.md",
         code=code("markdown_page.py"),
     output:
-        report(f"{RESULTS}/report/{{paper}}_{{page}}.html", caption=ITEM_CAPTION, category=paper_section,
-               subcategory=markdown_page_subcategory),
+        f"{RESULTS}/report/{{paper}}_{{page}}.html",
     wildcard_constraints:
         paper="|".join(CFG.top["papers"]),
         page="|".join(REPORT_MARKDOWN_PAGES) or "(?!)",  # no page listed: the rule matches nothing
     params:
         title=lambda wc: f"{paper_title(wc.paper)}: {REPORT_MARKDOWN_PAGES[wc.page]}",
         toc=False,
-        report_caption=lambda wc: report_caption(f"{paper_title(wc.paper)}: {REPORT_MARKDOWN_PAGES[wc.page]}.", SCALE),
     log:
         f"{RESULTS}/logs/report/{{paper}}_{{page}}.log",
     script:
         "../workflow/scripts/markdown_page.py"
+
+
+rule figure_page:
+    input:
+        png=f"{RESULTS}/figures/{{name}}.png",
+        code=PAGE_CODE,
+    output:
+        report(f"{RESULTS}/report/items/{{folder}}/{{name}}.html", caption=ITEM_CAPTION, category=item_category,
+               subcategory=item_subcategory, labels=item_labels),
+    wildcard_constraints:
+        folder="figures",
+    params:
+        title=lambda wc: output_title(CFG.figures[wc.name]["caption"], wc.name),
+        caption=lambda wc: CFG.figures[wc.name]["caption"],
+        scale=SCALE,
+        report_caption=item_caption,
+    log:
+        f"{RESULTS}/logs/report/figure_page/{{folder}}_{{name}}.log",
+    run:
+        figure_page(input.png, output[0], params.title, params.caption, params.scale)
+
+
+rule report_copy:
+    input:
+        f"{RESULTS}/{{folder}}/{{name}}.html",
+    output:
+        report(f"{RESULTS}/report/items/{{folder}}/{{name}}.html", caption=ITEM_CAPTION, category=item_category,
+               subcategory=item_subcategory, labels=item_labels),
+    wildcard_constraints:
+        folder="tables|report",
+    params:
+        report_caption=item_caption,
+    log:
+        f"{RESULTS}/logs/report/items/{{folder}}_{{name}}.log",
+    run:
+        copy_page(input[0], output[0])
+
+
+rule summary:
+    input:
+        claims=[f"{RESULTS}/report/{p}_claims.csv" for p in report_papers()],
+        scorecards=[f"{RESULTS}/report/{p}_scorecard.csv" for p in report_papers()],
+        inventories=[f"{RESULTS}/report/{p}_runs.csv" for p in report_papers()],
+        code=code("make_summary.py"),
+    output:
+        md=f"{RESULTS}/report/summary.md",
+        csv=f"{RESULTS}/report/summary.csv",
+        html=f"{RESULTS}/report/summary.html",
+        landing=f"{RESULTS}/report/summary_landing.html",
+    params:
+        papers=[summary_paper(p) for p in report_papers()],
+        scale=SCALE,
+        seeds=CFG.seeds,
+        outputs=CFG.top["outputs"] if isinstance(CFG.top["outputs"], str) else ", ".join(CFG.top["outputs"]),
+        # the results directory (its items' paths in the report), read off the output: <results>/report/summary.md
+        results=lambda wc, output: str(Path(output.md).parent.parent),
+    log:
+        f"{RESULTS}/logs/report/summary.log",
+    script:
+        "../workflow/scripts/make_summary.py"

@@ -257,7 +257,14 @@ def test_partition_grid_draws_each_panel_counts_with_its_dataset_in_the_title():
     np.testing.assert_array_equal(shown[1].filled(0), [[0, 4], [0, 0], [6, 0]])
     titles = [ax.get_title() for ax in fig.axes if ax.images]
     assert titles[0].startswith("IID [digits]") and titles[1].startswith("Dir (")  # e2 not in the view: no name
-    assert "(mini scale, partition seed 0)" in " ".join(fig.get_suptitle().split())
+    assert "(partition seed 0)" in " ".join(fig.get_suptitle().split())   # the scale: render_figure adds it
+    # one colour scale for all panels (equal colours, equal counts), one colour bar
+    assert len({(im.norm.vmin, im.norm.vmax) for ax in fig.axes for im in ax.images}) == 1
+    assert sum(1 for ax in fig.axes if ax.get_label() == "<colorbar>") == 1
+    # a panel repeating another's counts is said to
+    again = partition_grid_figure([a, a.copy()], cfg, experiments={"e1": {"dataset": "digits"},
+                                                                   "e2": {"dataset": "digits"}})
+    assert "Dir repeats IID at this scale: both read digits with the same partition." in figure_notes(again)
     with pytest.raises(ValueError, match="2 panels but 1"):
         partition_grid_figure([a], cfg)
 

@@ -141,3 +141,58 @@ def test_a_claim_on_unselected_cells_says_not_selected():
                           for r, v, s in (("a", 80.0, OK), ("b", math.nan, NOT_SELECTED))])
     verdict = greater(Grid(frame, 2), {"predicate": "greater", "row": "a", "than": "b"})
     assert verdict.verdict == NOT_RUN and "not selected" in verdict.detail
+
+
+def test_a_claim_on_cells_the_scale_does_not_configure_says_not_configured():
+    from fedcore.report.claims import MISSING, NOT_SET_UP, missing_verdict
+    from fedcore.report.tables import MISSING_METRIC, NOT_CONFIGURED
+
+    assert missing_verdict({NOT_SELECTED}) == NOT_RUN
+    assert missing_verdict({NOT_SELECTED, NOT_CONFIGURED}) == NOT_SET_UP       # no outputs choice fills these
+    assert missing_verdict({NOT_CONFIGURED, MISSING_RUN}) == MISSING            # a configured run without metrics
+    assert missing_verdict({MISSING_METRIC}) == MISSING
+    frame = pd.DataFrame([{"row": r, "row_label": r, "column": "x", "col_index": 0, "method": r, "paper": math.nan,
+                           "ours": v, "status": s} for r, v, s in [("a", 1.0, OK), ("b", math.nan, NOT_CONFIGURED)]])
+    grid = Grid(frame, 2)
+    verdict = greater(grid, {"row": "a", "than": ["b"], "columns": ["x"]})
+    assert verdict.verdict == NOT_SET_UP and "not configured: b [x]" in verdict.detail
+
+
+def test_claim_cells_are_the_cells_a_predicate_reads():
+    from fedcore.report.claims import claim_cells
+    from fedcore.selection import claim_runs
+
+    tables = {"t": TABLE}
+    exps = {e: {"methods": ["a", "b", "a_v2"]} for e in ("x1", "x2", "y1", "y2")}
+    best = {"table": "t", "predicate": "best_in_column", "row": "a", "rows": ["a", "c"], "columns": ["X2"]}
+    assert claim_cells(best, tables, {}) == [("a", "X2"), ("c", "X2")]
+    assert claim_runs(best, tables, {}, exps) == {("x2", "a"), ("y2", "a_v2")}   # c reads its row source
+    greater_ = {"table": "t", "predicate": "greater", "column": "X1", "than": "X2", "rows": ["b"]}
+    assert claim_runs(greater_, tables, {}, exps) == {("x1", "b"), ("x2", "b")}
+    assert claim_runs(greater_, tables, {}, {"x1": {"methods": ["b"]}, "x2": {"methods": []}}) == {("x1", "b")}
+    sweep = {"kind": "sweep", "experiment": "e", "series": [
+        {"label": "s", "metric": "global_acc", "points": [{"value": 1, "method": "m1"},
+                                                          {"value": 2, "method": "m2", "experiment": "f"},
+                                                          {"value": 3, "method": "m3"}]}]}
+    mono = {"figure": "f", "predicate": "monotone", "along": "rows", "rows": [1, 2], "direction": "increasing"}
+    assert claim_runs(mono, {}, {"f": sweep}, {"e": {"methods": ["m1", "m3"]}, "f": {"methods": ["m2"]}}) \
+        == {("e", "m1"), ("f", "m2")}
+
+
+def test_outputs_claims_trains_exactly_the_runs_the_claims_read():
+    cfg = _cfg(outputs="claims")
+    claims = cfg.reports["sgpt"]["claims"]
+    assert set(cfg.outputs) == {c.get("table") or c["figure"] for c in claims}
+    needed = {(r["experiment"], r["method"]) for r in cfg.runs()}
+    # Table 1's claims read its rows; Fig. 6a's key-momentum runs feed no claim
+    assert ("sgpt_c100_s10", "fedpr") in needed and ("sgpt_c100_s10", "sgpt_ak0p9") not in needed
+    # Fig. 6b's sweep reads its alpha_g points; Fig. 4's its blocks
+    assert ("sgpt_c100_s10", "sgpt_ag0p9") in needed and ("sgpt_c100_s10", "sgpt_shared_to3") in needed
+    every = {(r["experiment"], r["method"]) for r in _cfg(outputs="all").runs()}
+    assert needed < every
+
+
+def test_the_run_inventory_names_a_variant_no_table_shows_by_its_label():
+    from fedcore.report.inventory import method_labels
+
+    assert method_labels(_cfg(papers=("fedhpl",), outputs="headline"), "fedhpl")["hpl_bs32"] == "batch 32"

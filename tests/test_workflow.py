@@ -108,6 +108,11 @@ def test_pipeline_writes_metrics_tables_figures(workspace):
         assert (workspace / "results" / "tables" / f"sgpt_table1.{ext}").stat().st_size > 0
     md = (workspace / "results" / "tables" / "sgpt_table1.md").read_text()
     assert "not configured" in md  # fedvpt is not in the micro config
+    # each cell with a number knows its test images (read from the partition file) and its interval
+    csv = pd.read_csv(workspace / "results" / "tables" / "sgpt_table1.csv")
+    ok = csv.loc[csv["status"] == "ok"]
+    assert len(ok) and ok["test_images"].notna().all() and (ok["ci95_low"] <= ok["ours"]).all()
+    assert (ok["ours"] <= ok["ci95_high"]).all() and "Test images behind each column" in md
     for ext in ("png", "pdf"):
         assert (workspace / "results" / "figures" / f"sgpt_accuracy_per_round.{ext}").stat().st_size > 1000
     heatmaps = list((workspace / "results" / "partitions").glob("*/*/seed0.heatmap.png"))
@@ -133,19 +138,43 @@ def test_report_holds_every_table_and_figure_under_its_paper(workspace):
     text = (workspace / "results" / "report.html").read_text(encoding="utf-8")
     categories, results = _report_var(text, "categories"), _report_var(text, "results")
     cfg = load_config(yaml.safe_load((workspace / "config" / "config.yaml").read_text()), workspace)
-    assert sorted(categories["SGPT"]["Tables"]) == sorted(f"results/tables/{t}.html" for t in cfg.tables
-                                                          if t in cfg.outputs)
-    assert sorted(categories["SGPT"]["Figures"]) == sorted(f"results/figures/{f}.png" for f in cfg.figures
-                                                           if f in cfg.outputs)
+    items = "results/report/items"
+    assert sorted(categories) == ["1. SGPT", "5. Choices and deviations"]
+    sgpt = categories["1. SGPT"]
+    assert sorted(sgpt["Tables"]) == sorted(f"{items}/tables/{t}.html" for t in cfg.tables if t in cfg.outputs)
+    assert sorted(sgpt["Figures"]) == sorted(f"{items}/figures/{f}.html" for f in cfg.figures if f in cfg.outputs)
     assert set(cfg.outputs) == set(cfg.tables) | set(cfg.figures)  # the micro config builds every output
-    assert categories["SGPT"]["Runs"] == ["results/report/sgpt_runs.html"]
-    assert [p for sub in categories["Choices and deviations"].values() for p in sub] == ["results/report/deviations.html"]
+    assert sgpt["Runs"] == [f"{items}/report/sgpt_runs.html"]
+    assert sgpt["Claim check"] == [f"{items}/report/sgpt_claims.html"]
+    assert [p for sub in categories["5. Choices and deviations"].values() for p in sub] == \
+        [f"{items}/report/deviations.html"]
     for name, entry in [*cfg.tables.items(), *cfg.figures.items()]:
         item = next(r for path, r in results.items() if Path(path).stem == name)
         assert "Scale mini" in item["caption"] and entry["caption"].split(":")[0] in item["caption"]
-    table1 = results["results/tables/sgpt_table1.html"]["data_uri"]
+        # listed by title; the info panel shows the caption, not the config the building job carried
+        assert item["labels"]["title"] in entry["caption"] or item["labels"]["title"] == name
+        assert "{" not in item["job_properties"]["params"]
+    table1 = results[f"{items}/tables/sgpt_table1.html"]["data_uri"]
     page = base64.b64decode(table1.split(",", 1)[1]).decode("utf-8")
-    assert "C100 Global s=50" in page and "paper (layout ref.)" in page and "not configured" in page
+    assert "C100 Global s=50" in page and "not configured" in page and 'class="paper"' in page
+    fig1 = base64.b64decode(results[f"{items}/figures/sgpt_fig1.html"]["data_uri"].split(",", 1)[1]).decode("utf-8")
+    assert "<figcaption" in fig1 and "Scale mini" in fig1 and "data:image/png;base64," in fig1
+    # the front page is the summary: its counts are the claim check's
+    desc = json.loads(re.search(r"^\s*var workflow_desc = (.*);\s*$", text, re.M).group(1))
+    assert "Summary: scale mini" in desc and "items/report/sgpt_claims.html" in desc
+
+
+def test_summary_counts_are_the_claim_checks(workspace):
+    claims = pd.read_csv(workspace / "results" / "report" / "sgpt_claims.csv")
+    summary = pd.read_csv(workspace / "results" / "report" / "summary.csv").set_index("paper")
+    counts = claims.loc[claims["scale"] == "mini", "verdict"].value_counts()
+    from fedcore.report.claims import VERDICTS
+
+    assert summary.loc["sgpt", "claims"] == (claims["scale"] == "mini").sum()
+    assert {v: summary.loc["sgpt", v] for v in VERDICTS} == {v: counts.get(v, 0) for v in VERDICTS}
+    # every training job recorded its own time (workflow/scripts/_log.py): the summary timed them all
+    assert summary.loc["sgpt", "runs_timed"] == summary.loc["sgpt", "runs_selected"] > 0
+    assert summary.loc["sgpt", "cpu_s"] > 0 and summary.loc["sgpt", "wall_s"] > 0
 
 
 def test_nothing_to_do_after_a_complete_run(workspace):

@@ -9,7 +9,7 @@ matplotlib.use("Agg")  # headless: the pipeline renders on cluster nodes without
 
 import numpy as np
 import pandas as pd
-from matplotlib.colors import LogNorm
+from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -24,15 +24,20 @@ def _matrix(counts_df: pd.DataFrame, split: str, n_clients: int, n_classes: int)
     return m
 
 
-def _draw(ax, m: np.ndarray, label: str, fig: Figure) -> None:
-    """One heat-map panel; zero cells stay white so sparse (pathological) partitions read clearly."""
+def count_norm(matrices: list[np.ndarray]) -> Normalize:
+    """One colour scale for count matrices: log for a wide range (skewed Dirichlet: 1 .. 5000), linear from 0 for
+    near-uniform counts."""
+    vmax = max([int(m.max()) for m in matrices] + [1])
+    positive = [int(m[m > 0].min()) for m in matrices if (m > 0).any()]
+    vmin = min(positive) if positive else 1
+    return LogNorm(vmin=1, vmax=vmax) if vmax / vmin > 30 else Normalize(vmin=0, vmax=vmax)
+
+
+def _draw(ax, m: np.ndarray, label: str, fig: Figure, norm: Normalize | None = None, colorbar: bool = True):
+    """One heat-map panel (its own colour scale unless ``norm`` is given); zero cells stay white so sparse
+    (pathological) partitions read clearly. Returns the image (for a shared colour bar)."""
     shown = np.ma.masked_equal(m, 0)
-    vmax = max(int(m.max()), 1)
-    vmin = int(m[m > 0].min()) if (m > 0).any() else 1
-    # log scale only for a wide range (skewed Dirichlet: 1 .. 5000); near-uniform counts stay linear
-    norm = LogNorm(vmin=1, vmax=vmax) if vmax / vmin > 30 else None
-    im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis", norm=norm,
-                   vmin=None if norm else 0, vmax=None if norm else vmax)
+    im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis", norm=norm or count_norm([m]))
     ax.set_facecolor("white")
     ax.set_title(f"{label} (total {int(m.sum())})", fontsize=10)
     ax.set_xlabel("class")
@@ -41,7 +46,9 @@ def _draw(ax, m: np.ndarray, label: str, fig: Figure) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
     ax.tick_params(labelsize=7)
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, label="samples")
+    if colorbar:
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, label="samples")
+    return im
 
 
 def class_heatmap_grid(panels: list[tuple[pd.DataFrame, str]], cols: int, split: str = "train") -> Figure:
@@ -50,12 +57,20 @@ def class_heatmap_grid(panels: list[tuple[pd.DataFrame, str]], cols: int, split:
     rows = max(1, -(-len(panels) // cols))
     fig = Figure(figsize=(4.6 * cols, 3.4 * rows), layout="constrained")
     axes = np.atleast_2d(fig.subplots(rows, cols, squeeze=False))
-    for ax, (counts_df, label) in zip(axes.ravel(), panels):
+    matrices = []
+    for counts_df, _ in panels:
         n_clients = int(counts_df["client"].max()) + 1 if len(counts_df) else 1
         n_classes = int(counts_df["class"].max()) + 1 if len(counts_df) else 1
-        _draw(ax, _matrix(counts_df, split, n_clients, n_classes), label, fig)
+        matrices.append(_matrix(counts_df, split, n_clients, n_classes))
+    norm = count_norm(matrices)  # one colour scale for every panel, so that equal colours mean equal counts
+    im = None
+    for ax, m, (_, label) in zip(axes.ravel(), matrices, panels):
+        im = _draw(ax, m, label, fig, norm=norm, colorbar=False)
     for ax in axes.ravel()[len(panels):]:
         ax.set_visible(False)
+    if im is not None:
+        kind = "log scale" if isinstance(norm, LogNorm) else "linear scale"
+        fig.colorbar(im, ax=axes, fraction=0.025, pad=0.01, label=f"samples ({kind}, all panels)")
     return fig
 
 

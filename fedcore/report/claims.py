@@ -1,6 +1,6 @@
 """The papers' headline claims, checked on the built tables: a claim is data (the paper's sentence, where it
 comes from, a table and a generic predicate over its cells); the verdict per scale is holds / does not hold /
-runs missing, with the numbers behind it.
+not selected / not configured / runs missing, with the numbers behind it.
 
 A claim reads either a table of the paper (``table:``, the frame `build_table` makes, so it reads exactly the
 cells a reader sees) or a sweep figure (``figure:``, kind sweep): its rows are the swept settings (value
@@ -24,8 +24,10 @@ keys):
     within          |row − than| <= `tol` (or |row − `value`|) in every column of `columns`
 
 Every verdict compares the numbers as shown (rounded to the table's decimals). A needed cell without a number
-makes the verdict "runs missing" (the numbers present are still listed), or "not selected" when every such cell's
-run is configured but outside the outputs the config picks (`outputs`). Each claim is also checked on the
+makes the verdict "runs missing" when some such cell's run is configured and selected but has no metrics (a real
+gap); otherwise "not configured" when some such cell is not configured at this scale (or not implemented), and
+"not selected" when every such cell's run is configured but outside the outputs the config picks (`outputs`). The
+numbers present are still listed. Each claim is also checked on the
 paper's own numbers (where the table holds them) to show that the predicate encodes the sentence faithfully.
 """
 from __future__ import annotations
@@ -36,11 +38,14 @@ from typing import Any
 
 import pandas as pd
 
-from fedcore.report.tables import NOT_SELECTED, OK, build_cell, build_table
+from fedcore.report.tables import NOT_CONFIGURED, NOT_IMPLEMENTED, NOT_SELECTED, OK, build_cell, build_table
 
 HOLDS, FAILS, MISSING = "holds", "does not hold", "runs missing"
 LISTED = 6  # at most this many "not selected" cells are named in a verdict's detail
 NOT_RUN = "not selected"  # its runs are configured but not read by the chosen outputs (config `outputs`)
+NOT_SET_UP = "not configured"  # some cell's method is not in its experiment at this scale (or has no code)
+VERDICTS = (HOLDS, FAILS, NOT_RUN, NOT_SET_UP, MISSING)  # every verdict on our numbers, in the summary's order
+COUNTED = {NOT_SELECTED, NOT_CONFIGURED, NOT_IMPLEMENTED}  # cells without a number that are counted, not listed
 NO_PAPER_NUMBERS = "no paper numbers"
 NO_POINT = "no point"   # a sweep's series without a run at this setting: not part of that column
 
@@ -244,9 +249,9 @@ class Verdict:
         """'label [column] = 12.34; …' in the order used ('' when no cell has a number)."""
         if not any(isinstance(v, float) for _, _, v in self.numbers):
             return ""
-        # cells left out by the chosen outputs are counted in the detail, not listed one by one here
+        # cells left out by the chosen outputs or not run at this scale are counted in the detail, not listed here
         return "; ".join(f"{lab} [{col}] = {v:.{decimals}f}" if isinstance(v, float) else f"{lab} [{col}] = {v}"
-                         for lab, col, v in self.numbers if v != NOT_SELECTED)
+                         for lab, col, v in self.numbers if v not in COUNTED)
 
 
 class Grid:
@@ -269,6 +274,7 @@ class Grid:
             if r.method:
                 self.methods.setdefault(r.column, {})[r.method] = r.row
         self.used: list[tuple[str, str, float | str]] = []
+        self.used_keys: list[tuple[str, str]] = []   # (row key, column) of every cell read, in reading order
 
     def key(self, name: Any, column: str) -> str | None:
         """The row key a claim's row name means in `column` (None: the sweep has no such point there)."""
@@ -282,26 +288,35 @@ class Grid:
         """The shown value, or None (recorded with its reason) when the cell has no number."""
         label, value = self.cells[(row, column)]
         self.used.append((label, column, value))
+        self.used_keys.append((row, column))
         return value if isinstance(value, float) else None
 
     def verdict(self, ok: bool | None, detail: str) -> Verdict:
-        """holds / does not hold, or runs missing when some cell used had no number."""
+        """holds / does not hold, or (some cell used had no number) runs missing / not configured / not selected."""
         missing: dict[str, list[str]] = {}
         for lab, col, v in dict.fromkeys(self.used):
             if not isinstance(v, float):
                 missing.setdefault(str(v), []).append(f"{lab} [{col}]")
         if missing:
             n, total = sum(map(len, missing.values())), len(set(self.used))
-            # every cell without a number is configured but outside the chosen outputs: say so, not "missing"
-            verdict = NOT_RUN if set(missing) == {NOT_SELECTED} else MISSING
+            verdict = missing_verdict(set(missing))
             if n == total:   # nothing to list cell by cell
                 return Verdict(verdict, f"none of the {total} cells has a number ({', '.join(missing)})", self.used)
             # a long list of cells outside the chosen outputs says nothing a count does not
-            why = "; ".join(f"{status}: {len(cells)} cells" if status == NOT_SELECTED and len(cells) > LISTED
+            why = "; ".join(f"{status}: {len(cells)} cells" if status in COUNTED and len(cells) > LISTED
                             else f"{status}: {', '.join(cells)}" for status, cells in missing.items())
             return Verdict(verdict, f"{n} of {total} cells have no number ({why})"
                            + (f"; on the others: {detail}" if detail else ""), self.used)
         return Verdict(HOLDS if ok else FAILS, detail, self.used)
+
+
+def missing_verdict(statuses: set[str]) -> str:
+    """The verdict of a claim some of whose cells have no number, from those cells' statuses: a configured and
+    selected run without metrics is a gap (runs missing); else cells the scale does not configure (not
+    configured) outrank cells the chosen outputs leave out (not selected), which one command would fill."""
+    if statuses - {NOT_SELECTED, NOT_CONFIGURED, NOT_IMPLEMENTED}:
+        return MISSING
+    return NOT_SET_UP if statuses & {NOT_CONFIGURED, NOT_IMPLEMENTED} else NOT_RUN
 
 
 def _fmt(x: float, d: int) -> str:
@@ -466,6 +481,29 @@ def evaluate(claim: dict, frame: pd.DataFrame, decimals: int = 2, use_paper: boo
         return Verdict(NO_PAPER_NUMBERS, f"the paper prints no number for {n} of the {len(set(v.numbers))} cells",
                        v.numbers)
     return v
+
+
+def layout_frame(claim: dict, tables: dict[str, dict], figures: dict[str, dict]) -> pd.DataFrame:
+    """The claim's source as a frame of cells that all have a number (0.0), from the config alone; a sweep's
+    settings without a point of a series stay without one (`no point`)."""
+    rows, cols, methods = layout(claim, tables, figures)
+    points = sweep_layout(figures[claim["figure"]])[2] if "figure" in claim else {}
+    records = []
+    for row in rows:
+        for j, col in enumerate(cols):
+            point = points.get((float(row), col)) if "figure" in claim else {"method": row}
+            records.append({"row": row, "row_label": row, "column": col, "col_index": j, "ours": 0.0,
+                            "status": OK if point else NO_POINT, "paper": math.nan,
+                            "method": point["method"] if point else ""})
+    return pd.DataFrame.from_records(records)
+
+
+def claim_cells(claim: dict, tables: dict[str, dict], figures: dict[str, dict]) -> list[tuple[str, str]]:
+    """(row key, column label) of every cell the claim's predicate reads when every cell has a number: the cells
+    its verdict needs (runs the claim's `outputs: claims` selection trains)."""
+    grid = Grid(layout_frame(claim, tables, figures), 2)
+    EVALUATORS[claim["predicate"]](grid, with_column_labels(claim, grid.columns))
+    return list(dict.fromkeys(grid.used_keys))
 
 
 def describe(claim: dict) -> str:

@@ -49,14 +49,16 @@ def render_claims_markdown(frame: pd.DataFrame, paper: str, metrics_scales: set[
     scales = list(dict.fromkeys(frame["scale"]))
     lines = [f"# {paper}: claim check", "",
              "Each claim is a sentence of the paper with a predicate over a results table (or a sweep figure's "
-             "points), evaluated on our numbers as shown (rounded) at each scale: holds / does not hold / runs "
-             "missing. 'On the paper's numbers' applies the same predicate to the paper's values in those cells "
+             "points), evaluated on our numbers as shown (rounded) at each scale: holds / does not hold, or, when "
+             "a cell it needs has no number: not selected (configured, but the chosen `outputs` leave its run "
+             "out: `--config outputs=claims` builds it), not configured (the scale does not run that method "
+             "there) or runs missing (configured and selected, but no metrics: a gap). 'On the paper's numbers' applies the same predicate to the paper's values in those cells "
              "(a check that the predicate encodes the sentence). At mini, data and backbone differ from the "
              "paper's: a verdict there says whether the mini analogue shows the same pattern, nothing more.", ""]
     for s in scales:
         if s not in metrics_scales:
             lines.append(f"Scale {s}: results/metrics.parquet holds no run of this scale (it aggregates the runs "
-                         f"of the scale the pipeline ran), so its claims say runs missing.  ")
+                         f"of the scale the pipeline ran), so no claim can be judged there.  ")
     lines += ["", "| claim | source | " + " | ".join(scales) + " | on the paper's numbers |",
               "|---|---|" + "---|" * len(scales) + "---|"]
     for cid, rows in frame.groupby("id", sort=False):

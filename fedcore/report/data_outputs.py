@@ -17,6 +17,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from fedcore.io import atomic_path
+from fedcore.report.resolution import exact_resolution
 from fedcore.report.plotting import add_notes, mark_empty, new_figure, set_caption
 
 STAT_KEYS = ("classes", "train", "test", "domains")
@@ -82,7 +83,7 @@ def write_dataset_stats(table: pd.DataFrame, table_cfg: dict, scale: str, out_md
     """Markdown, LaTeX and CSV (the frame itself), atomically."""
     for path, text in ((out_md, render_dataset_stats_markdown(table, table_cfg, scale)),
                        (out_tex, render_dataset_stats_latex(table, table_cfg)),
-                       (out_csv, table.to_csv(index=False))):
+                       (out_csv, exact_resolution(table).to_csv(index=False))):
         with atomic_path(path) as tmp:
             Path(tmp).write_text(text)
 
@@ -147,30 +148,44 @@ def bubble_counts(train_y: np.ndarray, train_domain: np.ndarray | None, train_li
 
 def partition_bubbles_figure(fig_cfg: dict, bundle: str | os.PathLike, partitions: list[str | os.PathLike]) -> Figure:
     """Fig. A2: one panel per experiment's partition; x = client, y = class, area ~ train samples, colour =
-    domain (a cell holding several domains draws one bubble per domain, side by side)."""
+    domain (a cell holding several domains draws one bubble per domain, side by side); a key of dot sizes, and a
+    colour key only when the data have several domains."""
+    from matplotlib.ticker import MaxNLocator
+
     from fedcore.partition.file import Partition
 
     _, y, dom, meta = _load_split(bundle, "train")
-    domains = meta.get("domains", ["all"])
+    domains = meta.get("domains") or []
     panels = fig_cfg["panels"]
     fig, axes = new_figure(1, len(panels), panel=(4.2, 3.6))
-    colours = [f"C{i}" for i in range(len(domains))]
-    biggest = max(max(len(t) for t in Partition.load(p).train) for p in partitions) if partitions else 1
-    for ax, panel, path in zip(axes.ravel(), panels, partitions):
-        part = Partition.load(path)
-        counts = bubble_counts(y, dom, part.train)
-        offset = (counts["domain"] - (len(domains) - 1) / 2) * (0.5 / max(len(domains), 1))
+    colours = [f"C{i}" for i in range(max(len(domains), 1))]
+    loaded = [Partition.load(p) for p in partitions]
+    counted = [bubble_counts(y, dom, part.train) for part in loaded]
+    biggest = max([int(c["count"].max()) for c in counted if len(c)] + [1])
+    area = lambda n: 300.0 * np.asarray(n, dtype=float) / biggest  # noqa: E731 - dot area ~ samples, shared by panels
+    n_classes = len(meta["classes"])
+    for ax, panel, part, counts in zip(axes.ravel(), panels, loaded, counted):
+        offset = (counts["domain"] - (len(colours) - 1) / 2) * (0.5 / len(colours))
         several = counts.groupby(["client", "class"])["domain"].transform("nunique") > 1
         xs = counts["client"] + np.where(several, offset, 0.0)
-        ax.scatter(xs, counts["class"], s=600 * counts["count"] / biggest, c=[colours[d] for d in counts["domain"]],
+        ax.scatter(xs, counts["class"], s=area(counts["count"]), c=[colours[d % len(colours)] for d in counts["domain"]],
                    alpha=0.75, edgecolors="none")
         ax.set_title(panel["label"], fontsize=10)
         ax.set_xlabel("client")
         ax.set_ylabel("class")
         ax.set_xticks(range(part.num_clients))
-        ax.set_yticks(range(len(meta["classes"])))
+        if n_classes <= 20:
+            ax.set_yticks(range(n_classes))
+        else:  # every class would print 50 or 100 overlapping labels
+            ax.yaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+        ax.set_ylim(-1, n_classes)
         ax.tick_params(labelsize=7)
-    handles = [axes.ravel()[0].scatter([], [], c=colours[i], label=d) for i, d in enumerate(domains)]
-    fig.legend(handles=handles, loc="outside lower center", ncol=len(domains), fontsize=8)
+    keys = sorted({max(1, int(round(biggest / d))) for d in (1, 4, 16)}, reverse=True)
+    handles = [axes.ravel()[0].scatter([], [], s=float(area(k)), c="grey", alpha=0.6, label=f"{k} samples")
+               for k in keys]
+    if len(domains) > 1:
+        handles += [axes.ravel()[0].scatter([], [], c=colours[i], label=d) for i, d in enumerate(domains)]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, scatterpoints=1,
+               labelspacing=1.2, borderpad=0.8)
     set_caption(fig, fig_cfg.get("caption", ""))
     return fig

@@ -55,42 +55,74 @@ def scatter_points(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, 
     return pd.DataFrame(rows)
 
 
-def scatter_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
-                   implemented: set[str], personalized: dict[str, bool | None] | None = None) -> Figure:
-    """SGPT Fig. 1: x/y metrics of each method; the highlighted method a star, PFL squares, GFL circles."""
-    personalized = personalized or {}
-    fig, axes = new_figure(1, 1, panel=(7.5, 4.6))  # wide enough for the legend at the right
-    ax = axes[0, 0]
-    points = scatter_points(metrics, fig_cfg, experiments, scale, implemented)
-    highlight = fig_cfg.get("highlight")
-    spots: list[tuple[float, float]] = []   # every marker, so that no label covers one
-    sizes: list[float] = []                 # marker diameters in points (sqrt of the area s)
-    for p in points.loc[points["status"] == OK].itertuples():
-        kind = personalized.get(p.method)
-        if p.method == highlight:
-            style = dict(marker="*", s=300, color=OURS_COLOR, zorder=4)
-        else:
-            color = {True: PFL_COLOR, False: GFL_COLOR}.get(kind, UNKNOWN_COLOR)
-            style = dict(marker={True: "s", False: "o"}.get(kind, "D"), s=60, color=color, zorder=3)
-        if p.x_std or p.y_std:
-            ax.errorbar(p.x, p.y, xerr=p.x_std, yerr=p.y_std, fmt="none", ecolor=style["color"], alpha=0.5)
-        ax.scatter([p.x], [p.y], edgecolors="black", linewidths=0.5, **style)
-        spots.append((p.x, p.y))
+def _marker(method: str, highlight: str | None, personalized: dict[str, bool | None]) -> dict[str, Any]:
+    """The highlighted method a star, PFL squares, GFL circles, unknown diamonds."""
+    if method == highlight:
+        return dict(marker="*", s=300, color=OURS_COLOR, zorder=4)
+    kind = personalized.get(method)
+    return dict(marker={True: "s", False: "o"}.get(kind, "D"), s=60,
+                color={True: PFL_COLOR, False: GFL_COLOR}.get(kind, UNKNOWN_COLOR), zorder=3)
+
+
+def _scatter_panel(ax, xy: dict[str, tuple[float, float, float, float]], fig_cfg: dict, highlight: str | None,
+                   personalized: dict[str, bool | None]) -> tuple[list, list, list]:
+    """Draw one marker per method (x, y, x_std, y_std); returns the spots, their sizes and labels for place_labels."""
+    spots, sizes, labels = [], [], []
+    for m, (x, y, x_std, y_std) in xy.items():
+        style = _marker(m, highlight, personalized)
+        if x_std or y_std:
+            ax.errorbar(x, y, xerr=x_std, yerr=y_std, fmt="none", ecolor=style["color"], alpha=0.5)
+        ax.scatter([x], [y], edgecolors="black", linewidths=0.5, **style)
+        spots.append((x, y))
         sizes.append(math.sqrt(style["s"]))
-    labels = [_label(fig_cfg, m) for m in points.loc[points["status"] == OK, "method"]]
-    paper = fig_cfg.get("paper") or {}
-    if scale == "paper" and paper:
-        # at mini the paper's numbers are a layout reference only and would set the axis range
-        xy = np.array([paper[m] for m in fig_cfg["methods"] if m in paper], dtype=float)
-        ax.scatter(xy[:, 0], xy[:, 1], marker="o", s=50, facecolors="none", edgecolors="black", alpha=0.6, zorder=2)
-        for p in points.loc[points["status"] == OK].itertuples():  # dotted: our point -> the paper's
-            if p.method in paper:
-                ax.plot([p.x, paper[p.method][0]], [p.y, paper[p.method][1]], ":", color="gray", linewidth=0.8)
-    if not (points["status"] == OK).any():
-        mark_empty(ax, "no runs")
+        labels.append(_label(fig_cfg, m))
     ax.set_xlabel(_axis_label(fig_cfg["x_metric"]))
     ax.set_ylabel(_axis_label(fig_cfg["y_metric"]))
     ax.grid(True, alpha=0.3)
+    return spots, sizes, labels
+
+
+def coinciding(xy: dict[str, tuple[float, ...]], fig_cfg: dict, decimals: int = 2) -> list[str]:
+    """A note per group of methods drawn on one spot (equal numbers as shown), so that one label for several
+    methods is never mistaken for a missing one."""
+    spots: dict[tuple[float, float], list[str]] = {}
+    for m, v in xy.items():
+        spots.setdefault((round(v[0], decimals), round(v[1], decimals)), []).append(_label(fig_cfg, m))
+    return [f"{' and '.join(ms)} lie on one spot ({x:.{decimals}f}, {y:.{decimals}f}): equal numbers on both axes."
+            for (x, y), ms in spots.items() if len(ms) > 1]
+
+
+def scatter_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
+                   implemented: set[str], personalized: dict[str, bool | None] | None = None) -> Figure:
+    """SGPT Fig. 1: x/y metrics of each method; the highlighted method a star, PFL squares, GFL circles. At scale
+    paper the paper's points are drawn over ours (dotted lines join each pair); at another scale, whose numbers are
+    not comparable, the paper's points get a panel of their own beside ours."""
+    personalized = personalized or {}
+    paper = fig_cfg.get("paper") or {}
+    beside = bool(paper) and scale != "paper"
+    fig, axes = new_figure(1, 2 if beside else 1, panel=(5.4, 4.6) if beside else (7.5, 4.6))
+    ax = axes[0, 0]
+    points = scatter_points(metrics, fig_cfg, experiments, scale, implemented)
+    highlight = fig_cfg.get("highlight")
+    ours = {p.method: (p.x, p.y, p.x_std, p.y_std) for p in points.loc[points["status"] == OK].itertuples()}
+    spots, sizes, labels = _scatter_panel(ax, ours, fig_cfg, highlight, personalized)
+    if scale == "paper" and paper:
+        xy = np.array([paper[m] for m in fig_cfg["methods"] if m in paper], dtype=float)
+        ax.scatter(xy[:, 0], xy[:, 1], marker="o", s=50, facecolors="none", edgecolors="black", alpha=0.6, zorder=2)
+        for m, (x, y, _, _) in ours.items():  # dotted: our point -> the paper's
+            if m in paper:
+                ax.plot([x, paper[m][0]], [y, paper[m][1]], ":", color="gray", linewidth=0.8)
+        spots += [tuple(v) for v in xy]
+        sizes += [math.sqrt(50)] * len(xy)
+        labels += [None] * len(xy)   # the paper's circles are obstacles, not labelled
+    if not ours:
+        mark_empty(ax, "no runs")
+    data = (experiments.get(fig_cfg["experiment"]) or {}).get("dataset", "")
+    if beside:
+        ax.set_title(f"ours: scale {scale}" + (f", {data}" if data else ""), fontsize=10)
+        theirs = {m: (v[0], v[1], 0.0, 0.0) for m, v in paper.items() if m in fig_cfg["methods"]}
+        paper_spots = _scatter_panel(axes[0, 1], theirs, fig_cfg, highlight, personalized)
+        axes[0, 1].set_title("the paper's numbers (a layout reference at this scale)", fontsize=10)
     handles = [Line2D([], [], marker="o", color=GFL_COLOR, ls="none", label="GFL (one global model)"),
                Line2D([], [], marker="s", color=PFL_COLOR, ls="none", label="PFL (personalised models)")]
     if highlight:
@@ -98,15 +130,14 @@ def scatter_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, 
                               label=_label(fig_cfg, highlight)))
     if scale == "paper" and paper:
         handles.append(Line2D([], [], marker="o", markerfacecolor="none", color="black", ls="none", label="paper"))
-    outside_legend(ax, handles=handles)
+    outside_legend(axes[0, -1], handles=handles)
     missing = [(_label(fig_cfg, p.method), p.status) for p in points.itertuples() if p.status != OK]
-    add_notes(fig, missing_note("Not drawn", missing))
+    add_notes(fig, missing_note("Not drawn", missing) + coinciding(ours, fig_cfg))
     set_caption(fig, fig_cfg.get("caption", ""))
-    if scale == "paper" and paper:
-        spots += [tuple(v) for v in xy]
-        sizes += [math.sqrt(50)] * len(xy)
-    # last: the spots are measured in the final layout; the paper's circles are obstacles, not labelled
-    place_labels(ax, spots, labels + [None] * (len(spots) - len(labels)), marker_pt=sizes)
+    # last: the spots are measured in the final layout
+    place_labels(ax, spots, labels, marker_pt=sizes)
+    if beside:
+        place_labels(axes[0, 1], paper_spots[0], paper_spots[2], marker_pt=paper_spots[1])
     return fig
 
 

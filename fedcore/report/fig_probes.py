@@ -194,10 +194,25 @@ def partition_grid_figure(counts: list[pd.DataFrame], fig_cfg: dict, seed: int |
     titles = [p["title"] + (f" [{experiments[p['experiment']]['dataset']}]" if p["experiment"] in experiments else "")
               for p in panels]
     fig = class_heatmap_grid(list(zip(counts, titles)), int(fig_cfg.get("cols", 3)), fig_cfg.get("split", "train"))
-    seed_text = "" if seed is None else f"partition seed {seed}"
-    where = ", ".join(t for t in (f"{scale} scale" if scale else "", seed_text) if t)
-    set_caption(fig, f"{fig_cfg.get('caption', '')}" + (f" ({where})" if where else ""))
+    seed_text = "" if seed is None else f" (partition seed {seed})"   # the scale: render_figure's caption
+    set_caption(fig, f"{fig_cfg.get('caption', '')}{seed_text}")
+    add_notes(fig, repeated_panels(counts, [p["title"] for p in panels], experiments,
+                                   [p["experiment"] for p in panels]), color="black")
     return fig
+
+
+def repeated_panels(counts: list[pd.DataFrame], titles: list[str], experiments: dict, exps: list[str]) -> list[str]:
+    """One note per panel whose counts repeat an earlier panel's (at mini two paper datasets can map onto one
+    analogue with the same partition)."""
+    notes = []
+    for i, c in enumerate(counts):
+        same = next((j for j in range(i) if counts[j].reset_index(drop=True).equals(c.reset_index(drop=True))), None)
+        if same is not None:
+            here, there = (experiments.get(exps[k], {}).get("dataset") for k in (i, same))
+            why = (f"both read {here} with the same partition" if here == there
+                   else f"{here} and {there} have the same labels, so the partition is the same")
+            notes.append(f"{titles[i]} repeats {titles[same]} at this scale: {why}.")
+    return notes
 
 
 # ----------------------------------------------------------------------------------------------

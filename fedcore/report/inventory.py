@@ -43,8 +43,9 @@ def unbuilt_outputs(cfg, paper: str) -> list[str]:
 
 
 def method_labels(cfg, paper: str) -> dict[str, str]:
-    """Display labels of methods and variants, as the paper's tables and figures print them."""
-    out: dict[str, str] = {}
+    """Display labels of methods and variants, as the paper's tables and figures print them (a variant no table
+    or figure shows keeps its own ``label``)."""
+    out: dict[str, str] = {v: x["label"] for v, x in cfg.variants.items() if "label" in x}
     for entry in [*cfg.tables.values(), *cfg.figures.values()]:
         if entry.get("source_paper") == paper:
             out.update(entry.get("labels") or {})

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedcore.io import atomic_path
+from fedcore.report.resolution import exact_resolution
 from fedcore.report.tables import NO_PAPER, latex_escape
 
 OK = "ok"
@@ -156,7 +157,7 @@ def write_param_table(table: pd.DataFrame, table_cfg: dict, out_md: str | os.Pat
     texts = {
         Path(out_md): render_param_markdown(table, table_cfg),
         Path(out_tex): render_param_latex(table, table_cfg, label=Path(out_tex).stem),
-        Path(out_csv): table.to_csv(index=False, float_format="%.6g", lineterminator="\n"),
+        Path(out_csv): exact_resolution(table).to_csv(index=False, float_format="%.6g", lineterminator="\n"),
     }
     with contextlib.ExitStack() as stack:
         tmps = {path: stack.enter_context(atomic_path(path)) for path in texts}

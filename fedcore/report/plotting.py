@@ -32,8 +32,9 @@ def new_figure(nrows: int, ncols: int, panel: tuple[float, float] = (4.5, 3.4), 
     return fig, axes
 
 
-def add_notes(fig: Figure, notes: list[str]) -> None:
-    """Print `notes` (what is missing, and why) under the panels, in red, reserving room so nothing overlaps."""
+def add_notes(fig: Figure, notes: list[str], color: str = NOTE_COLOR) -> None:
+    """Print `notes` (what is missing, and why: red) under the panels, reserving room so nothing overlaps; call it
+    once per figure."""
     if not notes:
         return
     width = max(40, int(fig.get_figwidth() * 72 / 5.6))  # characters per line at the 'small' font size
@@ -43,7 +44,7 @@ def add_notes(fig: Figure, notes: list[str]) -> None:
     fig.set_figheight(height + extra)
     frac = extra / (height + extra)
     fig.get_layout_engine().set(rect=(0.0, frac, 1.0, 1.0 - frac))
-    fig.text(0.01, 0.01, "\n".join(lines), ha="left", va="bottom", fontsize="small", color=NOTE_COLOR)
+    fig.text(0.01, 0.01, "\n".join(lines), ha="left", va="bottom", fontsize="small", color=color)
 
 
 def set_caption(fig: Figure, caption: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from fedcore.report.resolution import RESOLUTION_COLUMNS, resolution_columns
 from fedcore.report.tables import (MISSING_METRIC, MISSING_RUN, NOT_CONFIGURED, NOT_IMPLEMENTED, OK, PAPER_ROLE,
                                    PERCENT, TABLE_COLUMNS, _paper_numbers, check_scale_and_columns, mean_std)
 
@@ -45,7 +46,10 @@ def probe_cell(rows: pd.DataFrame, method: str, feature: str, measure: str, expe
         return {**cell, "status": MISSING_METRIC}
     per_seed = vals.groupby("seed")["value"].mean()
     mean, std = mean_std(per_seed)
-    return {"ours": PERCENT * mean, "ours_std": PERCENT * std, "n_seeds": len(per_seed), "status": OK}
+    first = vals.loc[vals["seed"] == vals["seed"].min()]   # the test images: the first seed's, summed over clients
+    n_test = int(first["n_test"].sum()) if "n_test" in first and first["n_test"].notna().all() else None
+    return {"ours": PERCENT * mean, "ours_std": PERCENT * std, "n_seeds": len(per_seed), "status": OK,
+            "n_test": n_test}
 
 
 def build_probe_table(rows: pd.DataFrame, table_cfg: dict, experiments: dict[str, dict], scale: str,
@@ -53,13 +57,16 @@ def build_probe_table(rows: pd.DataFrame, table_cfg: dict, experiments: dict[str
     """One row per table cell in ``fedcore.report.tables``' long form (client -1, window 'final round')."""
     check_scale_and_columns(table_cfg, experiments, scale)
     labels = table_cfg.get("row_labels") or {}
-    records = []
+    records, sizes = [], []
     for row in table_cfg["rows"]:
         paper, paper_std = _paper_numbers(table_cfg, row), _paper_numbers(table_cfg, row, "paper_std")
         for j, col in enumerate(table_cfg["columns"]):
             method, feature, measure = cell_source(table_cfg, row, col)
             cell = probe_cell(rows, method, feature, measure, col["experiment"], experiments[col["experiment"]],
                               scale, implemented)
+            n_test = cell.pop("n_test", None)
+            sizes.append((n_test, "all clients' test sets (mean of client accuracies)") if n_test
+                         else (None, "test set size not in the probe's rows"))
             paper_j = math.nan if paper[j] is None else paper[j]
             records.append({"row": row, "row_label": labels.get(row, row), "column": col["label"], "col_index": j,
                             "experiment": col["experiment"], "metric": f"{measure}:{feature}", "client": -1,
@@ -68,11 +75,12 @@ def build_probe_table(rows: pd.DataFrame, table_cfg: dict, experiments: dict[str
                             "diff": cell["ours"] - paper_j if scale == "paper" else math.nan,
                             "scale": scale, "paper_role": PAPER_ROLE[scale],
                             "paper_std": math.nan if paper_std[j] is None else paper_std[j]})
-    table = pd.DataFrame.from_records(records, columns=TABLE_COLUMNS)
-    return table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64", "rounds_used": "Int64",
-                         "ours": "float64", "ours_std": "float64", "paper": "float64", "diff": "float64",
-                         "paper_std": "float64", "short_window": "bool", "incomplete": "bool", "untrained": "bool",
-                         "folder_layout": "bool"})
+    table = pd.DataFrame.from_records(records, columns=TABLE_COLUMNS[:-len(RESOLUTION_COLUMNS)])
+    table = table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64", "rounds_used": "Int64",
+                          "ours": "float64", "ours_std": "float64", "paper": "float64", "diff": "float64",
+                          "paper_std": "float64", "short_window": "bool", "incomplete": "bool", "untrained": "bool",
+                          "folder_layout": "bool"})
+    return resolution_columns(table, sizes, int(table_cfg.get("decimals", 2)))
 
 
 def read_probe_rows(paths) -> pd.DataFrame:

@@ -117,6 +117,9 @@ def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.Pa
     """Build the figure from its named input and write PNG and PDF atomically (with the scale's banner, if any)."""
     from fedcore.report.plotting import save_figure
 
+    # every figure's title says the scale it was drawn at (a PNG is often looked at alone)
+    if context.get("scale"):
+        fig_cfg = {**fig_cfg, "caption": f"{fig_cfg.get('caption', '')} [scale {context['scale']}]".strip()}
     kind = fig_cfg["kind"]
     if kind in ("image_grid", "partition_bubbles"):  # data-only figures read bundles (and partitions) directly
         from fedcore.report import data_outputs
@@ -186,8 +189,13 @@ def render_table(table_cfg: dict, inputs: Mapping[str, Any], out_md: str | os.Pa
             table = build_probe_table(read_probe_rows(path), table_cfg, context["experiments"], scale,
                                       set(context["implemented"]))
         else:
+            from fedcore.report.resolution import eval_sizes
+
             experiments = mark_folder_layout(context["experiments"], inputs.get("bundles", []))
-            table = build_table(pd.read_parquet(path), table_cfg, experiments, scale, set(context["implemented"]))
+            sizes = {e: eval_sizes(x["partition"], x["global_test"], x["official_size"])
+                     for e, x in (context.get("eval_sets") or {}).items()}
+            table = build_table(pd.read_parquet(path), table_cfg, experiments, scale, set(context["implemented"]),
+                                sizes)
         write_table(table, table_cfg, scale, out_md, out_tex, out_csv, out_html)
         return
     if kind == "dataset_stats":

@@ -27,6 +27,12 @@
     diff                  ours − paper in the metric's unit; only at scale 'paper', NaN otherwise
     status                ok | not implemented | not configured | missing run | missing metric | not selected
     scale, paper_role     the scale, and 'target' (paper) or 'layout reference only' (mini)
+    paper_std, std_over   the paper's std (FedPFT), and what ours_std spreads over
+    test_images, test_images_of, step, ci95_low, ci95_high, interval, degenerate
+                          the cell's resolution (fedcore/report/resolution.py): the test images behind the number
+                          and which set they are, one image in points, the Wilson 95 % interval (in %) of a
+                          single-seed accuracy, how the cell's spread is given, and its column's flag when every
+                          number of the column is 0 or all are equal
 
 The CSV written by `write_table` is exactly this frame, so it stays machine-readable.
 """
@@ -43,6 +49,9 @@ import pandas as pd
 from fedcore.io import atomic_path
 from fedcore.report.html_pages import SCALE_BANNERS, inline_markdown, page
 from fedcore.selection import replace_experiment, row_source
+from fedcore.report import table_notes
+from fedcore.report.resolution import (NOT_A_PROPORTION, RESOLUTION_COLUMNS, EvalSizes, cell_test_images,
+                                       resolution_columns)
 
 OK = "ok"
 NOT_IMPLEMENTED = "not implemented"
@@ -109,6 +118,7 @@ TABLE_COLUMNS = [
     "row", "row_label", "column", "col_index", "experiment", "metric", "client", "window",
     "ours", "ours_std", "n_seeds", "rounds_used", "short_window", "incomplete", "untrained",
     "folder_layout", "paper", "diff", "status", "scale", "paper_role", "paper_std", "std_over",
+    *RESOLUTION_COLUMNS,
 ]
 
 
@@ -341,8 +351,10 @@ def check_scale_and_columns(table_cfg: dict, experiments: dict[str, dict], scale
 
 
 def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, dict], scale: str,
-                implemented_methods: set[str]) -> pd.DataFrame:
-    """One row per table cell, in table order, with our number, the paper's, the diff and a status."""
+                implemented_methods: set[str], test_sizes: dict[str, EvalSizes | None] | None = None
+                ) -> pd.DataFrame:
+    """One row per table cell, in table order, with our number, the paper's, the diff, a status and the
+    resolution columns (``test_sizes`` per experiment; without them the cells say the size is not known)."""
     check_scale_and_columns(table_cfg, experiments, scale)
     for col in table_cfg["columns"]:
         metric_key(col)  # fail on a bad metric, client list or round before any work
@@ -350,11 +362,12 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
         check_round(col)
         check_report(experiments[col["experiment"]].get("report") or {})
     labels = table_cfg.get("row_labels") or {}
-    records = []
+    records, clients_of = [], []
     for row in table_cfg["rows"]:
         paper, paper_std = _paper_numbers(table_cfg, row), _paper_numbers(table_cfg, row, "paper_std")
         for j, col in enumerate(table_cfg["columns"]):
             method, col = row_source(table_cfg, row, col)
+            clients_of.append(column_clients(col))
             cell = build_cell(metrics, method, col, experiments[col["experiment"]], scale, implemented_methods)
             paper_j = math.nan if paper[j] is None else paper[j]
             diff = cell["ours"] - paper_j if scale == "paper" else math.nan
@@ -362,11 +375,15 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
                             "col_index": j, **cell, "paper": paper_j, "diff": diff,
                             "scale": scale, "paper_role": PAPER_ROLE[scale],
                             "paper_std": math.nan if paper_std[j] is None else paper_std[j]})
-    table = pd.DataFrame.from_records(records, columns=TABLE_COLUMNS)
-    return table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64",
-                         "rounds_used": "Int64", "ours": "float64", "ours_std": "float64",
-                         "paper": "float64", "diff": "float64", "paper_std": "float64", "short_window": "bool",
-                         "incomplete": "bool", "untrained": "bool", "folder_layout": "bool"})
+    table = pd.DataFrame.from_records(records, columns=TABLE_COLUMNS[:-len(RESOLUTION_COLUMNS)])
+    table = table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64",
+                          "rounds_used": "Int64", "ours": "float64", "ours_std": "float64",
+                          "paper": "float64", "diff": "float64", "paper_std": "float64", "short_window": "bool",
+                          "incomplete": "bool", "untrained": "bool", "folder_layout": "bool"})
+    sizes = [cell_test_images(c.metric, c.client, clients, (test_sizes or {}).get(c.experiment))
+             if metric_factor({"metric": c.metric}) == PERCENT else (None, NOT_A_PROPORTION)
+             for c, clients in zip(table.itertuples(), clients_of, strict=True)]
+    return resolution_columns(table, sizes, int(table_cfg.get("decimals", 2)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,16 +496,24 @@ def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) ->
         cols = ", ".join(table.loc[over_clients, "column"].drop_duplicates())
         notes.append(f"Columns {cols}: mean ± std over the column's clients (std ddof=0, as the official code's "
                      "np.std) of each client's accuracy, averaged over seeds first.")
+    cfg = table_cfg or {}
+    if table_notes.round_note(cfg):
+        notes.append(table_notes.round_note(cfg))
     cells = table.drop_duplicates(["experiment", "window"])
     windows = cells.groupby("window", sort=False)["experiment"].apply(list)
     for window, exps in windows.items():
         if window == "best":
             what = "best round"
+        elif window == "last 1":
+            what = "value at the final evaluated round"
         elif window.startswith("last "):
             what = f"mean of the {window} evaluated rounds"
         else:
             what = f"value at the {window}"
         notes.append(f"Report window ({', '.join(exps)}): {what} of each seed's run.")
+    if "test_images" in table:
+        notes += table_notes.resolution_notes(table) + table_notes.degenerate_notes(table)
+    notes += table_notes.identical_notes(table, cfg)
     if table["paper"].isna().any():
         notes.append(f"{NO_PAPER} = the paper reports no such cell.")
     if table["short_window"].any():
@@ -504,7 +529,7 @@ def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) ->
                      "train/test split (allow_folder_layout: true), not the FedBN pickles the papers used.")
     present = [s for s in STATUS_NOTES if (table["status"] == s).any()]
     if present:
-        notes.append("Empty cells: " + "; ".join(STATUS_NOTES[s] for s in present) + ".")
+        notes.append("Cells without a number: " + "; ".join(STATUS_NOTES[s] for s in present) + ".")
     how = (table_cfg or {}).get("best", "max")
     if (table["status"] == OK).any() and how != "none":
         where = "row" if (table_cfg or {}).get("best_in") == "row" else "column"
@@ -596,33 +621,16 @@ def render_latex(table: pd.DataFrame, table_cfg: dict, scale: str, label: str | 
 
 
 def render_html(table: pd.DataFrame, table_cfg: dict, scale: str) -> str:
-    """An HTML fragment: caption and scale note, the table with each column's ours / paper (/ Δ at paper scale)
-    side by side under the column's label, and the footnotes."""
+    """An HTML fragment for the report (fedcore/report/table_html.py): caption and scale note, each cell ours above
+    the paper's (and Δ at paper scale), a row of test images per column, parts when wide, and the footnotes."""
     import html
 
-    esc = lambda t: html.escape(str(t), quote=False)  # noqa: E731
-    subs = _subheaders(scale)
-    cols = _column_labels(table)
-    attr_cols, attr_rows = _row_attributes(table_cfg, table)
-    labels, grid = _grid(table, scale, table_cfg)
-    classes = ["ours", "paper", "diff"][:len(subs)]
-    head1 = ['<th class="label" rowspan="2">Method</th>'] + [f'<th rowspan="2">{esc(a)}</th>' for a in attr_cols]
-    head1 += [f'<th colspan="{len(subs)}">{esc(c)}</th>' for c in cols]
-    head2 = [f"<th>{esc(sub)}</th>" for _ in cols for sub in subs]
-    body = []
-    for label, attrs, entries in zip(labels, attr_rows, grid):
-        cells = [f'<td class="label">{esc(label)}</td>'] + [f'<td class="attr">{esc(a)}</td>' for a in attrs]
-        for i, (text, bold) in enumerate(entries):
-            cls = classes[i % len(subs)]
-            if cls == "ours" and text in STATUS_NOTES:  # no number: the reason, in red
-                cls += " missing"
-            inner = f"<strong>{esc(text)}</strong>" if bold else esc(text)
-            cells.append(f'<td class="{cls}">{inner}</td>')
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    caption = f"<strong>{esc(table_cfg.get('caption', ''))}</strong> {esc(scale_note(scale, _percent_only(table)))}"
-    notes = "".join(f"<p>{inline_markdown(n)}</p>" for n in footnotes(table, scale, table_cfg))
-    return (f'<p class="caption">{caption}</p>\n<table>\n<thead>\n<tr>{"".join(head1)}</tr>\n<tr>{"".join(head2)}</tr>\n'
-            f'</thead>\n<tbody>\n' + "\n".join(body) + f'\n</tbody>\n</table>\n<div class="notes">{notes}</div>')
+    from fedcore.report.table_html import render_table_html
+
+    caption = (f"<strong>{html.escape(table_cfg.get('caption', ''), quote=False)}</strong> "
+               f"{html.escape(scale_note(scale, _percent_only(table)), quote=False)}")
+    return render_table_html(table, table_cfg, scale, _grid(table, scale, table_cfg), _row_attributes(table_cfg, table),
+                             caption, footnotes(table, scale, table_cfg))
 
 
 def render_csv(table: pd.DataFrame) -> str:

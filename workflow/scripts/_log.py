@@ -1,7 +1,9 @@
-"""Shared by the thin scripts: send logging and warnings of one job to its Snakemake log file."""
+"""Shared by the thin scripts: send logging and warnings of one job to its Snakemake log file, and record the job's
+own CPU and wall time beside it at exit (fedcore/jobtime.py; the report's summary sums the training jobs')."""
 import logging
 import sys
 
+from fedcore.jobtime import record_at_exit
 from fedcore.joblog import open_job_log
 
 
@@ -12,3 +14,4 @@ def setup(snakemake, history=None) -> None:
         sys.stderr = fh
         logging.basicConfig(stream=fh, level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                             force=True)
+        record_at_exit(snakemake.log[0])

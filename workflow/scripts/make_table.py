@@ -10,5 +10,6 @@ from fedcore.report.render import render_table  # noqa: E402
 _log.setup(snakemake)
 p = snakemake.params
 render_table(p.table, dict(snakemake.input.items()), snakemake.output.md, snakemake.output.tex,
-             snakemake.output.csv, {"scale": p.scale, "experiments": p.experiments, "implemented": p.implemented},
+             snakemake.output.csv, {"scale": p.scale, "experiments": p.experiments, "implemented": p.implemented,
+                                         "eval_sets": p.eval_sets},
              out_html=snakemake.output.html)
