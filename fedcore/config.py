@@ -579,8 +579,9 @@ def _select_outputs(resolved: Resolved) -> None:
 
 def _select_claim_runs(resolved: Resolved) -> None:
     """``outputs: claims``: the tables and figures the loaded papers' claims read, and only the runs whose cells
-    the claims' verdicts need (fedcore/selection.py claim_runs)."""
-    from fedcore.selection import claim_runs, claims_outputs
+    the claims' verdicts need (fedcore/report/claims.py claim_runs)."""
+    from fedcore.report.claims import claim_runs
+    from fedcore.selection import claims_outputs
 
     claims = {p: r.get("claims", []) for p, r in resolved.reports.items() if p in resolved.top["papers"]}
     resolved.outputs = list(claims_outputs(claims))

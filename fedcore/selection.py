@@ -76,28 +76,6 @@ def output_runs(name: str, tables: Mapping[str, dict], figures: Mapping[str, dic
     return {(e, m) for e, m in wanted if e in experiments and m in experiments[e]["methods"]}
 
 
-def claim_runs(claim: dict, tables: Mapping[str, dict], figures: Mapping[str, dict],
-               experiments: Mapping[str, dict]) -> set[Run]:
-    """The configured runs whose cells one claim's verdict needs (``outputs: claims``)."""
-    from fedcore.report.claims import claim_cells, sweep_layout
-    from fedcore.report.tables import row_source
-
-    wanted: set[Run] = set()
-    if "table" in claim:
-        table = tables[claim["table"]]
-        by_label = {c["label"]: c for c in table["columns"]}
-        for row, label in claim_cells(claim, tables, figures):
-            method, col = row_source(table, row, by_label[label])
-            wanted.add((col["experiment"], method))
-    else:
-        fig = figures[claim["figure"]]
-        points = sweep_layout(fig)[2]
-        for row, label in claim_cells(claim, tables, figures):
-            p = points[(float(row), label)]
-            wanted.add((p.get("experiment", fig["experiment"]), p["method"]))
-    return {(e, m) for e, m in wanted if e in experiments and m in experiments[e]["methods"]}
-
-
 def claims_outputs(claims: Mapping[str, list[dict]]) -> dict[str, list[dict | None]]:
     """Output name -> [None] for every table or figure a loaded paper's claims read (``outputs: claims``)."""
     return {c.get("table") or c["figure"]: [None] for items in claims.values() for c in items}

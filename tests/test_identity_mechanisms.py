@@ -13,7 +13,7 @@ import torch
 from conftest import identity, run_params, synthetic_bundle
 from fedcore.data.arrays import save_bundle
 from fedcore.methods import fedpr
-from fedcore.partition import make_partition
+from fedcore.partition.make import make_partition
 from fedcore.train import train_run
 
 TOKENS = 4  # prompt tokens per block: FedPR protects min(4, 0.2 * 64) = 4 directions per block

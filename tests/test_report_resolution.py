@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fedcore.partition import Partition
+from fedcore.partition.file import Partition
 from fedcore.report.resolution import (ALL_EQUAL, ALL_ZERO, NOT_A_PROPORTION, RESOLUTION_COLUMNS, SEED_STD, WILSON,
                                        EvalSizes, cell_test_images, eval_sizes, wilson_interval)
 from fedcore.report.tables import TABLE_COLUMNS, build_table, render_csv

@@ -160,7 +160,7 @@ def test_a_claim_on_cells_the_scale_does_not_configure_says_not_configured():
 
 def test_claim_cells_are_the_cells_a_predicate_reads():
     from fedcore.report.claims import claim_cells
-    from fedcore.selection import claim_runs
+    from fedcore.report.claims import claim_runs
 
     tables = {"t": TABLE}
     exps = {e: {"methods": ["a", "b", "a_v2"]} for e in ("x1", "x2", "y1", "y2")}

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import pandas as pd
 
 from fedcore.report.tables import NOT_CONFIGURED, NOT_IMPLEMENTED, NOT_SELECTED, OK, build_cell, build_table
+from fedcore.selection import Run, row_source
 
 HOLDS, FAILS, MISSING = "holds", "does not hold", "runs missing"
 LISTED = 6  # at most this many "not selected" cells are named in a verdict's detail
@@ -510,3 +511,22 @@ def describe(claim: dict) -> str:
     """The predicate in words, e.g. 'best_in_column(row=sgpt, columns=[...])'."""
     args = {k: v for k, v in claim.items() if k not in CLAIM_KEYS}
     return f"{claim['predicate']}(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")"
+
+
+def claim_runs(claim: dict, tables: Mapping[str, dict], figures: Mapping[str, dict],
+               experiments: Mapping[str, dict]) -> set[Run]:
+    """The configured runs whose cells one claim's verdict needs (``outputs: claims``; the config's selection)."""
+    wanted: set[Run] = set()
+    if "table" in claim:
+        table = tables[claim["table"]]
+        by_label = {c["label"]: c for c in table["columns"]}
+        for row, label in claim_cells(claim, tables, figures):
+            method, col = row_source(table, row, by_label[label])
+            wanted.add((col["experiment"], method))
+    else:
+        fig = figures[claim["figure"]]
+        points = sweep_layout(fig)[2]
+        for row, label in claim_cells(claim, tables, figures):
+            p = points[(float(row), label)]
+            wanted.add((p.get("experiment", fig["experiment"]), p["method"]))
+    return {(e, m) for e, m in wanted if e in experiments and m in experiments[e]["methods"]}

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from fedcore.partition.file import Partition
+
 Z95 = 1.959963984540054  # the standard normal's 97.5 % quantile
 WILSON = "Wilson 95 %"
 SEED_STD = "mean ± std over seeds"
@@ -62,8 +64,6 @@ def wilson_interval(p: float, n: int, z: float = Z95) -> tuple[float, float]:
 def eval_sizes(partition_path: str | os.PathLike, global_test: str, official_size: int | None) -> EvalSizes:
     """The test sizes of a run from its partition file; ``global_test`` official_test takes ``official_size``
     (the dataset's test split), pooled_local the union of the clients' test indices."""
-    from fedcore.partition import Partition
-
     part = Partition.load(partition_path)
     clients = tuple(len(t) for t in part.test)
     if global_test == "official_test":
