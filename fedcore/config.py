@@ -667,6 +667,7 @@ def _resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_fil
     out["evaluation"].setdefault("global_test", "pooled_local")
     out["federation"] = deep_merge(out["federation"], scale.get("federation", {}))
     out["evaluation"] = deep_merge(out["evaluation"], scale.get("evaluation", {}))
+    out["report"] = deep_merge(out["report"], scale.get("report", {}))
     out["method_federation"] = deep_merge(out.get("method_federation", {}), scale.get("method_federation", {}))
     run = scale.get("run_federation")
     if run:  # over the experiment's budget and every method's own, so that no run keeps a longer one

@@ -164,7 +164,8 @@ def test_smoke_files_merge_over_the_paper_scales_in_order(tmp_path):
     scales = root / "config" / "scales"
     _edit(scales / "paper" / "sgpt.yaml", lambda d: d.update(evaluation={"every": 7, "batch_size": 9}))
     _edit(scales / "smoke.yaml", lambda d: d.update(evaluation={"every": 3}))
-    _edit(scales / "smoke" / "sgpt.yaml", lambda d: d["experiments"]["sgpt_five"].update(evaluation={"every": 2}))
+    _edit(scales / "smoke" / "sgpt.yaml",
+          lambda d: d.setdefault("experiments", {}).update(sgpt_five={"evaluation": {"every": 2}}))
     cfg = load_config({"scale": "smoke", "seeds": [0], "papers": ["sgpt"]}, root)
     # paper.yaml < paper/sgpt.yaml < smoke.yaml < smoke/sgpt.yaml
     assert cfg.experiments["sgpt_office"]["evaluation"] == {"global_test": "pooled_local", "every": 3, "batch_size": 9}

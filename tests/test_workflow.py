@@ -24,7 +24,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 MICRO_METHODS = ["head_tune", "sgpt"]
 MICRO_VARIANT = "sgpt_qg"  # one variant, in sgpt_c100_s10 only
-MICRO_EXPERIMENTS = {"sgpt_c100_s50", "sgpt_c100_s10", "sgpt_five", "sgpt_office", "sgpt_domainnet"}
+MICRO_EXPERIMENTS = {"sgpt_c100_s50", "sgpt_c100_s10", "sgpt_five"}  # label shift (s = 50, 10) and feature shift
+NOT_RUN = ("sgpt_office", "sgpt_domainnet")  # `methods: []` at the micro scale: their cells say "not configured"
 TRAINING_RULES = {"fetch_dataset", "build_dataset", "pretrain_backbone", "partition", "features"}
 
 
@@ -50,9 +51,11 @@ def _micro_scale(doc: dict) -> None:
 
 
 def _micro_sgpt_scale(doc: dict) -> None:
-    for exp in doc["experiments"].values():
-        exp["report"] = {"window": "last", "rounds": 2}
+    doc["report"] = {"window": "last", "rounds": 2}
+    for name, exp in doc["experiments"].items():
         exp.pop("methods", None)
+        if name in NOT_RUN:
+            exp["methods"] = []
 
 
 def micro_copy(work: Path) -> Path:
@@ -116,9 +119,9 @@ def test_pipeline_writes_metrics_tables_figures(workspace):
     for ext in ("png", "pdf"):
         assert (workspace / "results" / "figures" / f"sgpt_accuracy_per_round.{ext}").stat().st_size > 1000
     heatmaps = list((workspace / "results" / "partitions").glob("*/*/seed0.heatmap.png"))
-    assert len(heatmaps) == 5  # s=50, s=10, five, office, domainnet analogues
+    assert len(heatmaps) == 3  # s=50, s=10 and five analogues (office and domainnet are not run)
     queries = list((workspace / "results" / "features").glob("vit_mini/*/cls_block*.npz"))
-    assert len(queries) == 4   # label shift: last block of digits/digits_five; feature shift: block 1
+    assert len(queries) == 2   # label shift: the last block of digits and digits_five
 
 
 
@@ -217,7 +220,7 @@ def test_editing_code_a_training_job_imports_reruns_it(workspace):
     jobs = [(m.group(1), b) for b in re.split(r"^(?=(?:local)?rule \w+:)", out.stdout, flags=re.M)
             if (m := re.match(r"(?:local)?rule (\w+):", b))]
     trains = [b for rule, b in jobs if rule == "train"]
-    assert len(trains) == 5 * len(MICRO_METHODS) + 1
+    assert len(trains) == len(MICRO_EXPERIMENTS) * len(MICRO_METHODS) + 1
     assert all(re.search(r"reason: Updated input files: fedcore/engine/evaluate\.py", b) for b in trains)
     assert not {rule for rule, _ in jobs} & TRAINING_RULES
 
@@ -259,7 +262,7 @@ def test_editing_one_experiment_reruns_only_its_jobs(workspace):
 def test_adding_a_seed_runs_only_the_new_seed(workspace):
     jobs = _planned_jobs(workspace, "--config", "seeds=[0,1]")
     trains = _train_jobs(jobs)
-    assert trains and {s for _, _, s in trains} == {"1"} and len(trains) == 5 * len(MICRO_METHODS) + 1
+    assert trains and {s for _, _, s in trains} == {"1"} and len(trains) == len(MICRO_EXPERIMENTS) * len(MICRO_METHODS) + 1
     assert {w["seed"] for r, w in jobs if r == "partition"} == {"1"}
     assert not [r for r, _ in jobs if r in ("pretrain_backbone", "build_dataset")]
 

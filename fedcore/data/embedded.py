@@ -30,9 +30,6 @@ from typing import Callable
 
 import numpy as np
 from PIL import Image
-from scipy.ndimage import gaussian_filter
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from fedcore.data.arrays import ArrayDataset, DatasetBundle
 
@@ -85,6 +82,8 @@ def noisy(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
 def blurred(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Gaussian blur with sigma = 1 pixel per 16 pixels of image side."""
     sigma = x.shape[1] / 16.0
+    from scipy.ndimage import gaussian_filter  # here: scipy and scikit-learn cost every config load ~2 s of import
+
     y = gaussian_filter(x.astype(np.float32), sigma=(0, sigma, sigma, 0), mode="nearest")
     return np.clip(np.rint(y), 0, 255).astype(np.uint8)
 
@@ -113,6 +112,8 @@ PUBLIC_DATASETS: dict[str, str] = {"digits_public": "inverted"}
 @lru_cache(maxsize=1)
 def _digits() -> tuple[np.ndarray, np.ndarray]:
     # Parsing sklearn's csv costs ~50 ms; cache it, read-only so no caller can alter the cached copy.
+    from sklearn.datasets import load_digits  # here: scikit-learn costs every config load ~2 s of import
+
     d = load_digits()
     images, target = d.images.copy(), d.target.astype(np.int64)
     images.flags.writeable = target.flags.writeable = False
@@ -133,6 +134,8 @@ def split_indices() -> dict[str, np.ndarray]:
     """Sorted source indices of the fixed pretrain / train / test splits (disjoint, stratified)."""
     y = _digits()[1]
     idx = np.arange(len(y))
+    from sklearn.model_selection import train_test_split  # here: see _digits
+
     rest, pre = train_test_split(idx, test_size=PRETRAIN_FRACTION, stratify=y, random_state=SPLIT_SEED)
     train, test = train_test_split(rest, test_size=TEST_FRACTION, stratify=y[rest], random_state=SPLIT_SEED + 1)
     return {"pretrain": np.sort(pre), "train": np.sort(train), "test": np.sort(test)}

@@ -35,7 +35,6 @@ from typing import Callable, Iterable
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
-from sklearn.model_selection import train_test_split
 
 from fedcore.data.arrays import ArrayDataset, DatasetBundle
 
@@ -262,6 +261,8 @@ def notmnist(inputs: list[Path]) -> DatasetBundle:
                 continue
             ys.append(c)
     x, y = _stack(xs, 28), np.asarray(ys, np.int64)
+    from sklearn.model_selection import train_test_split  # here: scikit-learn costs every config load ~2 s of import
+
     tr, te = train_test_split(np.arange(len(y)), test_size=NOTMNIST_TEST_FRACTION, stratify=y,
                               random_state=NOTMNIST_SPLIT_SEED)
     tr, te = np.sort(tr), np.sort(te)
@@ -318,6 +319,8 @@ def _folder_split(domain_dir: Path, classes: list[str], size: int) -> tuple[tupl
             raise FileNotFoundError(f"{domain_dir / name}: no images (.jpg/.jpeg/.png)")
         files += found
         ys += [c] * len(found)
+    from sklearn.model_selection import train_test_split  # here: scikit-learn costs every config load ~2 s of import
+
     tr, te = train_test_split(np.arange(len(ys)), test_size=FALLBACK_TEST_FRACTION, stratify=ys,
                               random_state=FALLBACK_SPLIT_SEED)
     pick = lambda idx: ([_load_image(files[i], size) for i in sorted(idx)], [ys[i] for i in sorted(idx)])

@@ -1,0 +1,44 @@
+"""README's "Adding an experiment" example is a complete one: pasted into a copy of the config, it loads at every
+scale and plans exactly its runs for its table."""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import yaml
+
+from fedcore.config import load_config
+from fedcore.plan import plan_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _example() -> tuple[dict, dict]:
+    """The README's experiment and table, as the two YAML mappings they are pasted into."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("### Adding an experiment", 1)[1].split("\n### ", 1)[0]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    doc = yaml.safe_load(block)
+    experiments = {k: v for k, v in doc.items() if "dataset" in v}
+    tables = {k: v for k, v in doc.items() if "columns" in v}
+    assert len(experiments) == 1 and len(tables) == 1 and len(doc) == 2
+    return experiments, tables
+
+
+def test_the_readme_experiment_and_table_load_and_plan_their_runs(tmp_path):
+    experiments, tables = _example()
+    shutil.copytree(ROOT / "config", tmp_path / "config")
+    for kind, entries in (("experiments", experiments), ("reports", tables)):
+        path = tmp_path / "config" / kind / "sgpt.yaml"
+        doc = yaml.safe_load(path.read_text())
+        doc["experiments" if kind == "experiments" else "tables"].update(entries)
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (name, exp), table = next(iter(experiments.items())), next(iter(tables))
+    top = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    for scale in ("mini", "paper"):
+        cfg = load_config({**top, "scale": scale, "outputs": [table]}, tmp_path)
+        runs = {(r["experiment"], r["method"]) for r in cfg.runs()}
+        assert runs == {(name, m) for m in exp["methods"]}
+        plan = plan_run(cfg, name, "sgpt", 0)
+        assert plan.identity["experiment"] == name and plan.params["federation"]["local_epochs"] >= 1
