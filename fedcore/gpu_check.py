@@ -89,10 +89,10 @@ def plan(out: Path, cores: int, smoke_outputs: str | list[str] = SMOKE_SAMPLE, p
                  "outputs": "all" if smoke_all else list(smoke_outputs)}
     bench = "benchmarks/"
     return [
-        Step("bench_train", 1, py + [bench + "bench_train.py", "--arch", "vit_base_patch16_224", "--batch", "40",
-                                     "--steps", "20", "--amp", "--methods", "fedvpt", "fedvpt_d", "sgpt", "head_tune",
-                                     "fedhpl"], 45, "benchmark",
-             "one client's update, ViT-B/16 at 224 px, batch 40, bf16 (SGPT's shape): images/s per method"),
+        Step("bench_onepass", 1, py + [bench + "bench_onepass.py", "--preset", "paper", "--amp", "--steps", "4",
+                                       "--repeats", "2", "--families", "fedvpt", "sgpt", "fedhpl", "fedotp"], 60,
+             "benchmark", "a round's clients one by one vs in one pass (vs vmap where offered) at paper shapes, bf16: "
+             "images/s and share of the bf16 peak per family (FedVPT, SGPT, FedHPL, FedOTP)"),
         Step("bench_fedhpl_vit", 1, py + [bench + "bench_fedhpl.py", "--setting", "hetvit", "--amp", "--steps", "20"],
              50, "benchmark", "one FedHPL round, heterogeneous ViT-S/B/L at 224 px, batch 16: images/s, round time"),
         Step("bench_fedhpl_res", 1, py + [bench + "bench_fedhpl.py", "--setting", "hetres", "--amp", "--steps", "20"],
@@ -106,7 +106,8 @@ def plan(out: Path, cores: int, smoke_outputs: str | list[str] = SMOKE_SAMPLE, p
              "FedPFT round at paper shapes (40 ResNet-8 clients x 500 images, K = 65536), 1 of 5 epochs: "
              "one by one vs together"),
         Step("gpu_tests", 2, py + ["-m", "pytest", "tests/test_gpu.py", "-o", "addopts=", "-q", "-p",
-                                   "no:cacheprovider"], 240, "pytest", "tests/test_gpu.py on CUDA"),
+                                   "no:cacheprovider"], 330, "pytest",
+             "tests/test_gpu.py on CUDA (every method and variant, 2 rounds each, and batched = one by one)"),
         Step("default_pipeline", 2, py + ["-m", "snakemake", "--cores", str(default_cores),
                                           *_config_args(default_cfg)], 340, "snakemake",
              f"the default pipeline (mini, headline outputs) on CUDA from an empty results directory, "

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_plan_fits_ten_minutes_and_each_command_is_valid(tmp_path):
     steps = plan(tmp_path, 16)
     assert plan_wall_s(steps) <= PLAN_BUDGET_S
-    assert {s.name for s in steps} >= {"gpu_tests", "default_pipeline", "smoke", "bench_train", "bench_fedhpl_vit",
+    assert {s.name for s in steps} >= {"gpu_tests", "default_pipeline", "smoke", "bench_onepass", "bench_fedhpl_vit",
                                        "bench_fedotp", "bench_fedpft"}
     default = next(s for s in steps if s.name == "default_pipeline")
     assert default.config["device"] == "cuda" and default.results == str(tmp_path / "results_default")
