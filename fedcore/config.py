@@ -14,11 +14,12 @@ from typing import Any
 import jsonschema
 import yaml
 
+from fedcore.claim_rules import check_claim, claim_runs
 from fedcore.constraints import BackboneFacts, RunFacts, violations
 from fedcore.data.facts import dataset_facts
 from fedcore.papers import PAPERS
-from fedcore.selection import (chosen_outputs, figure_experiments, figure_methods, headline_item, output_runs,
-                               replace_experiment, row_source)
+from fedcore.selection import (chosen_outputs, claims_outputs, figure_experiments, figure_methods, headline_item,
+                               output_runs, replace_experiment, row_source)
 
 CONFIG_DIR = "config"
 TOP_WHERE = "the top-level config (config/config.yaml or --config)"
@@ -579,10 +580,7 @@ def _select_outputs(resolved: Resolved) -> None:
 
 def _select_claim_runs(resolved: Resolved) -> None:
     """``outputs: claims``: the tables and figures the loaded papers' claims read, and only the runs whose cells
-    the claims' verdicts need (fedcore/report/claims.py claim_runs)."""
-    from fedcore.report.claims import claim_runs
-    from fedcore.selection import claims_outputs
-
+    the claims' verdicts need (fedcore/claim_rules.py claim_runs)."""
     claims = {p: r.get("claims", []) for p, r in resolved.reports.items() if p in resolved.top["papers"]}
     resolved.outputs = list(claims_outputs(claims))
     resolved.selected = set().union(*[claim_runs(c, resolved.tables, resolved.figures, resolved.experiments)
@@ -771,8 +769,6 @@ def _check_headline(items: list, tables: dict, figures: dict, where: str) -> Non
 
 def _check_claims(claims: list[dict], tables: dict, figures: dict, where: str) -> None:
     """Claims have unique ids and name tables, rows and columns of this paper that their predicate can read."""
-    from fedcore.report.claims import check_claim
-
     seen = set()
     for i, claim in enumerate(claims):
         if claim["id"] in seen:

@@ -17,6 +17,14 @@ from typing import Iterable, Mapping
 
 Run = tuple[str, str]
 
+# A table cell's status: ok (it has a number), or why it has none (the report's tables, claims and scorecards)
+OK = "ok"
+NOT_IMPLEMENTED = "not implemented"   # the method has no code here
+NOT_CONFIGURED = "not configured"     # the experiment does not run the method at this scale
+MISSING_RUN = "missing run"           # configured and selected, but its run wrote no metrics
+MISSING_METRIC = "missing metric"     # the run's metrics lack the cell's metric
+NOT_SELECTED = "not selected"         # configured, but the chosen outputs do not read its run
+
 # data-only tables (they read dataset bundles or count parameters of architectures): no training run
 _NO_RUN_TABLES = {"param_count", "dataset_stats"}
 

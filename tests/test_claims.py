@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from fedcore.config import ConfigError, load_config
-from fedcore.report.claims import FAILS, HOLDS, MISSING, NO_PAPER_NUMBERS, build_sweep_table, check_claim, evaluate
+from fedcore.claim_rules import FAILS, HOLDS, MISSING, NO_PAPER_NUMBERS, check_claim, evaluate
+from fedcore.report.claims import build_sweep_table
 from fedcore.report.claims_report import claims_frame, render_claims_markdown
 from fedcore.report.scorecard import build_scorecard, render_scorecard_markdown
 from fedcore.report.tables import MISSING_RUN, NOT_IMPLEMENTED, OK

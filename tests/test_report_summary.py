@@ -7,7 +7,7 @@ import html
 import pandas as pd
 import pytest
 
-from fedcore.report.claims import FAILS, HOLDS, MISSING, NOT_RUN, NOT_SET_UP, VERDICTS
+from fedcore.claim_rules import FAILS, HOLDS, MISSING, NOT_RUN, NOT_SET_UP, VERDICTS
 from fedcore.report.claims_report import CLAIM_COLUMNS
 from fedcore.report.scorecard import SCORE_COLUMNS
 from fedcore.report.summary import Context, PaperInputs, build_summary, write_summary

@@ -11,7 +11,7 @@ import yaml
 
 from fedcore.config import ConfigError, load_config
 from fedcore.papers import PAPERS
-from fedcore.report.claims import NOT_RUN, Grid, greater
+from fedcore.claim_rules import NOT_RUN, Grid, greater
 from fedcore.report.inventory import NOT_SELECTED as RUN_NOT_SELECTED, build_inventory, configured_runs
 from fedcore.report.tables import MISSING_RUN, NOT_SELECTED, OK, build_table
 from fedcore.selection import chosen_outputs, figure_runs, output_runs, table_runs
@@ -144,7 +144,7 @@ def test_a_claim_on_unselected_cells_says_not_selected():
 
 
 def test_a_claim_on_cells_the_scale_does_not_configure_says_not_configured():
-    from fedcore.report.claims import MISSING, NOT_SET_UP, missing_verdict
+    from fedcore.claim_rules import MISSING, NOT_SET_UP, missing_verdict
     from fedcore.report.tables import MISSING_METRIC, NOT_CONFIGURED
 
     assert missing_verdict({NOT_SELECTED}) == NOT_RUN
@@ -159,8 +159,8 @@ def test_a_claim_on_cells_the_scale_does_not_configure_says_not_configured():
 
 
 def test_claim_cells_are_the_cells_a_predicate_reads():
-    from fedcore.report.claims import claim_cells
-    from fedcore.report.claims import claim_runs
+    from fedcore.claim_rules import claim_cells
+    from fedcore.claim_rules import claim_runs
 
     tables = {"t": TABLE}
     exps = {e: {"methods": ["a", "b", "a_v2"]} for e in ("x1", "x2", "y1", "y2")}

@@ -171,7 +171,7 @@ def test_summary_counts_are_the_claim_checks(workspace):
     claims = pd.read_csv(workspace / "results" / "report" / "sgpt_claims.csv")
     summary = pd.read_csv(workspace / "results" / "report" / "summary.csv").set_index("paper")
     counts = claims.loc[claims["scale"] == "mini", "verdict"].value_counts()
-    from fedcore.report.claims import VERDICTS
+    from fedcore.claim_rules import VERDICTS
 
     assert summary.loc["sgpt", "claims"] == (claims["scale"] == "mini").sum()
     assert {v: summary.loc["sgpt", v] for v in VERDICTS} == {v: counts.get(v, 0) for v in VERDICTS}

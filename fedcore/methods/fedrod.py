@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from fedcore.constraints import Constraint, Flag
 from fedcore.engine.data import Batch
-from fedcore.engine.optim import ClientData, TrainSettings, autocast_for, run_epochs
+from fedcore.engine.optim import ClientData, TrainSettings, autocast_for
 from fedcore.engine.roles import Client, Payload
 from fedcore.methods import register_method
 from fedcore.methods.base import PersonalEvaluator, WholeModelMethod

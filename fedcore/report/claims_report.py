@@ -15,7 +15,8 @@ from typing import Any, Mapping
 import pandas as pd
 
 from fedcore.io import atomic_path
-from fedcore.report.claims import claim_grid, describe, evaluate, source_decimals
+from fedcore.claim_rules import describe, evaluate, source_decimals
+from fedcore.report.claims import claim_grid
 
 CLAIM_COLUMNS = ["paper", "id", "source", "sentence", "table", "predicate", "scale", "verdict", "numbers",
                  "detail", "on_paper_numbers", "paper_detail"]

@@ -22,7 +22,8 @@ from fedcore.report.plotting import (
     add_notes, err, has_value, mark_empty, missing_note, new_figure, outside_legend, place_labels, run_value,
     set_caption, tick_at_values,
 )
-from fedcore.report.tables import OK, cell_status, replace_experiment, run_rows
+from fedcore.report.tables import OK, cell_status, run_rows
+from fedcore.selection import replace_experiment
 
 GFL_COLOR, PFL_COLOR, UNKNOWN_COLOR, OURS_COLOR = "tab:blue", "tab:orange", "tab:gray", "tab:red"
 MISSING_MARK = dict(marker="x", color="tab:gray", markersize=8, linestyle="none")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import html
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Callable
 import pandas as pd
 
 from fedcore.io import atomic_path
-from fedcore.report.claims import FAILS, HOLDS, MISSING, NOT_RUN, NOT_SET_UP, VERDICTS
+from fedcore.claim_rules import FAILS, HOLDS, MISSING, NOT_RUN, NOT_SET_UP, VERDICTS
 from fedcore.report.html_pages import page, paper_title, scale_caption
 
 SUMMARY_COLUMNS = ["paper", "scale", "claims", *VERDICTS, "cells", "cells_configured", "cells_with_run",

@@ -47,18 +47,14 @@ from typing import Any
 import pandas as pd
 
 from fedcore.io import atomic_path
-from fedcore.report.html_pages import SCALE_BANNERS, inline_markdown, page
-from fedcore.selection import replace_experiment, row_source
 from fedcore.report import table_notes
+from fedcore.report.html_pages import SCALE_BANNERS, page
 from fedcore.report.resolution import (NOT_A_PROPORTION, RESOLUTION_COLUMNS, EvalSizes, cell_test_images,
                                        resolution_columns)
+# a cell's status: why it has no number (selection.py says which run each cell reads)
+from fedcore.selection import (MISSING_METRIC, MISSING_RUN, NOT_CONFIGURED, NOT_IMPLEMENTED, NOT_SELECTED, OK,
+                               row_source)
 
-OK = "ok"
-NOT_IMPLEMENTED = "not implemented"
-NOT_CONFIGURED = "not configured"
-MISSING_RUN = "missing run"
-MISSING_METRIC = "missing metric"
-NOT_SELECTED = "not selected"
 
 SHORT_MARK = "†"
 INCOMPLETE_MARK = "‡"
