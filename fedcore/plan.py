@@ -3,12 +3,16 @@ trains with, and what it reads (backbones, per-sample artifacts, other datasets)
 from the plan, the probes rebuild runs from it, and tests build every configured method from it."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from fedcore.artifacts import artifact_module
 from fedcore.backbones.registry import UNPINNED, arch_spec
-from fedcore.config import run_backbones
+from fedcore.config import load_config, run_backbones
 from fedcore.methods import method_class, method_module
 
 if TYPE_CHECKING:
@@ -109,3 +113,35 @@ def plan_run(cfg: "Resolved", experiment: str, method: str, seed: int) -> RunPla
         extra_datasets=dict(cls.extra_datasets(params)),
         feature_backbone=exp["backbone"],
     )
+
+
+def describe_plan(p: RunPlan) -> str:
+    """A run's plan as YAML: who it is, every setting it trains with (after every layer), what it reads."""
+    doc = {"identity": p.identity, "params": p.params, "backbones": list(p.backbones), "archs": p.archs,
+           "artifacts": p.artifacts, "extra_datasets": p.extra_datasets}
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fedcore.plan EXPERIMENT METHOD [--scale S] [--seed N]``: print the run's resolved settings."""
+    ap = argparse.ArgumentParser(prog="python -m fedcore.plan", description="One run's settings after every layer of "
+                                 "the config (experiment, scale, the scale's per-experiment override), as it trains.")
+    ap.add_argument("experiment")
+    ap.add_argument("method", help="a method or variant the experiment runs")
+    ap.add_argument("--scale", default=None, help="default: config/config.yaml's")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--root", default=".", help="the checkout holding config/")
+    a = ap.parse_args(argv)
+    top = yaml.safe_load((Path(a.root) / "config" / "config.yaml").read_text()) or {}
+    cfg = load_config({**top, **({"scale": a.scale} if a.scale else {}), "outputs": "all"}, a.root)
+    if a.experiment not in cfg.experiments:
+        ap.error(f"no experiment {a.experiment!r} at scale {cfg.scale}; experiments: {sorted(cfg.experiments)}")
+    if a.method not in cfg.experiments[a.experiment]["methods"]:
+        ap.error(f"experiment {a.experiment!r} does not run {a.method!r} at scale {cfg.scale}; it runs "
+                 f"{cfg.experiments[a.experiment]['methods']}")
+    print(describe_plan(plan_run(cfg, a.experiment, a.method, a.seed)), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -42,3 +42,15 @@ def test_the_readme_experiment_and_table_load_and_plan_their_runs(tmp_path):
         assert runs == {(name, m) for m in exp["methods"]}
         plan = plan_run(cfg, name, "sgpt", 0)
         assert plan.identity["experiment"] == name and plan.params["federation"]["local_epochs"] >= 1
+
+
+def test_python_m_fedcore_plan_prints_a_runs_settings_after_every_layer(capsys):
+    """config/README.md's example: FedHPL's FedAvg trains its own 20 rounds at mini, 100 at paper."""
+    from fedcore.plan import main
+
+    for scale, rounds in (("mini", 20), ("paper", 100)):
+        assert main(["hpl_c10_iid_homo", "fedavg", "--scale", scale, "--root", str(ROOT)]) == 0
+        doc = yaml.safe_load(capsys.readouterr().out)
+        assert doc["identity"]["scale"] == scale and doc["params"]["federation"]["rounds"] == rounds
+    assert main(["hpl_c10_a0p1_homo", "hpl_tc2", "--scale", "mini", "--root", str(ROOT)]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["params"]["federation"]["local_epochs"] == 2  # its own setting
