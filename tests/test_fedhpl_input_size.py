@@ -13,7 +13,8 @@ import yaml
 from conftest import identity, run_params
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.backbones.vit import backbone_info
-from fedcore.config import ConfigError, figure_experiments, load_config
+from fedcore.config import ConfigError, load_config
+from fedcore.selection import figure_experiments
 from fedcore.engine.data import InputPipeline
 from fedcore.methods.fedhpl import FedHPL
 from fedcore.report.fig_metrics import per_class_figure

@@ -8,7 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fedcore.config import ConfigError, figure_experiments, load_config
+from fedcore.config import ConfigError, load_config
+from fedcore.selection import figure_experiments
 from fedcore.partition.make import make_partition
 from fedcore.report.fig_metrics import sweep_figure, sweep_points
 from fedcore.report.plotting import figure_notes

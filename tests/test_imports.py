@@ -83,3 +83,9 @@ def test_the_config_imports_no_report_code():
     """The config checks claims and picks the runs they need with fedcore/claim_rules.py (a claim as data); the
     report fills the claims' grids with built cells, the config never imports it."""
     assert _within(closure(["fedcore.config"]), "fedcore.report", "fedcore.analysis") == set()
+
+
+def test_the_config_files_loader_imports_nothing_else_of_fedcore():
+    """Reading, merging and schema-validating the config files (fedcore/config/files.py) needs no other fedcore code:
+    the names a value may take (papers, datasets, backbones) are handed in by the caller."""
+    assert _within(import_graph()["fedcore.config.files"], "fedcore") == set()

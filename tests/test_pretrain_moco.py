@@ -14,7 +14,8 @@ from fedcore.backbones.pretrain import objective_keys, pretrain
 from fedcore.backbones.pretrain.moco import (MoCoV3, build_mlp, contrastive_loss, moco_loss, moco_momentum,
                                              momentum_update, two_views)
 from fedcore.backbones.registry import build_backbone
-from fedcore.config import ConfigError, _check_backbone_entry
+from fedcore.config import ConfigError
+from fedcore.config.experiments import check_backbone_entry
 from fedcore.data.arrays import ArrayDataset, DatasetBundle
 
 torch.set_num_threads(1)
@@ -119,9 +120,9 @@ def test_pretrain_settings_follow_the_objective() -> None:
     entry = {"arch": "vit_mini", "tag": "digits_moco", "pretrain": {"objective": "moco", "label_smoothing": 0.1}}
     with pytest.raises(ConfigError, match=r"\(vit_x\) at pretrain: \['label_smoothing'\] are not settings of the "
                                           r"moco objective; it takes \[.*'temperature'"):
-        _check_backbone_entry("vit_x", entry, Path("config/backbones.yaml"))
+        check_backbone_entry("vit_x", entry, Path("config/backbones.yaml"))
     with pytest.raises(ConfigError, match="unknown weight tag 'digits_mocov' for arch 'vit_mini'"):
-        _check_backbone_entry("vit_x", {"arch": "vit_mini", "tag": "digits_mocov", "pretrain": {}}, Path("b.yaml"))
+        check_backbone_entry("vit_x", {"arch": "vit_mini", "tag": "digits_mocov", "pretrain": {}}, Path("b.yaml"))
     with pytest.raises(ValueError, match="moco pretraining|written for ViTs"):
         pretrain(_bundle(), "resnet_mini_18", objective="moco", epochs=1, batch_size=32, progress=False)
     entries = yaml.safe_load((ROOT / "config" / "backbones.yaml").read_text())
