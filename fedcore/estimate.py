@@ -237,7 +237,7 @@ def run_shape(resolved, experiment: str, method: str) -> RunShape:
     exp = resolved.experiments[experiment]
     tp = resolved.train_params(experiment, method)
     cls = method_class(tp["method"])
-    params = {**cls.defaults, **tp["method_params"]}
+    params = cls.with_defaults(tp["method_params"])
     fed = tp["federation"]
     sizes, pooled, official = client_sizes(exp["dataset"], exp["partition"], exp["partition_id"])
     own = cls.own_backbone(params)   # pFedPT's own ViT, trained from scratch on every client

@@ -87,7 +87,7 @@ def experiment_backbones(cfg: "Resolved", experiment: str) -> tuple[str | list[s
 def method_artifacts(cfg: "Resolved", experiment: str, method: str) -> dict[str, str]:
     """The per-sample artifacts a run of ``method`` in ``experiment`` reads: batch extras name -> artifact key."""
     cls = method_class(cfg.base_method(method))
-    return dict(cls.artifacts({**cls.defaults, **cfg.method_params(experiment, method)}))
+    return dict(cls.artifacts(cls.with_defaults(cfg.method_params(experiment, method))))
 
 
 def plan_run(cfg: "Resolved", experiment: str, method: str, seed: int) -> RunPlan:
@@ -97,7 +97,7 @@ def plan_run(cfg: "Resolved", experiment: str, method: str, seed: int) -> RunPla
         raise ValueError(f"experiment {experiment!r} does not run method {method!r} at scale {cfg.scale} "
                          f"(its methods: {exp['methods']})")
     cls = method_class(cfg.base_method(method))
-    params = {**cls.defaults, **cfg.method_params(experiment, method)}
+    params = cls.with_defaults(cfg.method_params(experiment, method))
     names = run_backbones(exp)
     archs, digests = experiment_backbones(cfg, experiment)
     # the method trains its own arch (pFedPT), or every backbone is drawn at random (`scratch: true`): none is loaded

@@ -165,7 +165,7 @@ def build_run(params: dict[str, Any], identity: dict[str, Any], archs: str | lis
         raise ValueError(f"{len(weights)} weight files but {len(digests)} sha256 digests: give one per file")
     client_backbones = params.get("client_backbones")
     cls = method_class(params.get("method", identity["method"]))
-    own = cls.own_backbone({**cls.defaults, **params.get("method_params", {})})
+    own = cls.own_backbone(cls.with_defaults(params.get("method_params")))
     input_size = params.get("input_size")  # the side of the images the backbones see, if not their weights'
     if own is not None:  # the method trains its own architecture from scratch: no experiment backbone is loaded
         if input_size is not None:

@@ -49,7 +49,7 @@ def check_method_params(name: str, exp: dict, resolved: "Resolved", files: str) 
     for m in exp["methods"]:
         base = resolved.base_method(m)
         cls = method_class(base)
-        params = {**cls.defaults, **resolved.method_params(name, m)}
+        params = cls.with_defaults(resolved.method_params(name, m))
         label = f"method {m!r}" if m == base else f"method {m!r} ({base})"
         bad = violations(cls.param_rules, params, facts)
         if bad:
@@ -99,7 +99,7 @@ def check_input_size(name: str, exp: dict, resolved: "Resolved", files: str) -> 
                               f"{info['family']} (its position embedding fixes its input size)")
     for m in exp["methods"]:
         cls = method_class(resolved.base_method(m))
-        params = {**cls.defaults, **resolved.method_params(name, m)}
+        params = cls.with_defaults(resolved.method_params(name, m))
         own, artifacts = cls.own_backbone(params), cls.artifacts(params)
         if own is not None or artifacts:
             why = (f"trains its own backbone {own!r}" if own is not None

@@ -76,7 +76,7 @@ class Resolved:
         out = {exp["dataset"] for exp in self.experiments.values()}
         for r in self.runs():
             cls = method_class(self.base_method(r["method"]))
-            out |= set(cls.extra_datasets({**cls.defaults, **self.method_params(r["experiment"], r["method"])}).values())
+            out |= set(cls.extra_datasets(cls.with_defaults(self.method_params(r["experiment"], r["method"]))).values())
         return sorted(out)
 
     def backbones_needed(self) -> list[str]:

@@ -348,6 +348,11 @@ class Method:
     strategy_role: ClassVar[type[Strategy]] = Strategy
     evaluator_role: ClassVar[type[Evaluator]] = Evaluator
 
+    @classmethod
+    def with_defaults(cls, params: dict | None) -> dict:
+        """The method's full params: its defaults, then ``params`` (a run's method_params) over them."""
+        return {**cls.defaults, **(params or {})}
+
     def __init__(self, backbones: Any, num_classes: int, params: dict | None = None,
                  client_backbones: Sequence[int] | None = None, class_names: Sequence[str] | None = None) -> None:
         """``backbones``: one frozen backbone adapter, or a list of them with ``client_backbones[cid]`` indexing it;
@@ -359,7 +364,7 @@ class Method:
         if unknown:
             raise ValueError(f"method_params.{self.name}: unknown key(s) {sorted(unknown)}; "
                              f"allowed: {sorted(self.defaults)}")
-        self.params = {**self.defaults, **(params or {})}
+        self.params = self.with_defaults(params)
         self.num_classes = num_classes
         self.backbones = list(backbones) if isinstance(backbones, (list, tuple)) else [backbones]
         self.client_backbones = list(client_backbones) if client_backbones is not None else None

@@ -383,7 +383,7 @@ class SGPT(Method):
     @classmethod
     def artifacts(cls, params: dict) -> dict[str, str]:
         """Each sample's Select query: the frozen final-norm CLS after ``select_block`` (rule ``features``)."""
-        return {QUERY: f"cls_block{int({**cls.defaults, **params}['select_block'])}"}
+        return {QUERY: f"cls_block{int(cls.with_defaults(params)['select_block'])}"}
 
     @classmethod
     def check_params(cls, params: dict) -> None:
