@@ -9,7 +9,8 @@ with the packages above each (their ``__init__.py`` runs first). The graph is re
 walk over fedcore/, once per process), so nothing is imported to compute it.
 
 The scripts' own helpers (workflow/scripts/_log.py, _gpu.py) are workflow glue: where a job logs and which GPU it
-takes change no output, so their fedcore modules (joblog, runtime.gpu_slots) are not code inputs.
+takes change no output, so their fedcore modules (runtime.joblog, runtime.jobtime, runtime.gpu_slots) are not code
+inputs.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 # linter wants functions apart from the rules that use them.
 from fedcore.data.facts import FACTS
 from fedcore.data.sources import FOLDER_LAYOUT_DATASETS
-from fedcore.jobtime import time_path
+from fedcore.runtime.jobtime import time_path
 from fedcore.papers import paper_title
 from fedcore.report.html_pages import (copy_page, figure_page, output_description, output_title, report_caption,
                                        report_category, title_key)
@@ -227,7 +227,7 @@ def table_eval_sets(name):
 
 def summary_paper(paper):
     """What the summary page states about a paper besides its report files: the time records of its selected
-    training runs (beside their logs, fedcore/jobtime.py), the data its selected runs train on (with the paper's
+    training runs (beside their logs, fedcore/runtime/jobtime.py), the data its selected runs train on (with the paper's
     dataset at another scale) and the tables and figures the outputs leave out."""
     runs = [r for r in CFG.runs() if CFG.experiments[r["experiment"]]["paper"] == paper]
     times = [str(time_path(f"{RESULTS}/logs/train/{SCALE}/{r['experiment']}/{r['method']}/seed{r['seed']}.log"))

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "workflow" / "scripts"
 # imported by the scripts' helpers _log.py and _gpu.py only: where a job logs and which GPU it takes change none of
 # its outputs, so they are no code inputs (an edit to them reruns nothing)
-GLUE = {"joblog.py", "jobtime.py", "runtime/gpu_slots.py"}
+GLUE = {"runtime/joblog.py", "runtime/jobtime.py", "runtime/gpu_slots.py"}
 
 # Run in a fresh interpreter: first workflow/scripts/train.py itself, as Snakemake runs it (a `snakemake` object), on a
 # tiny SGPT run that reads its Select queries; then, per (method, artifact keys), fedcore.train (what the script

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedcore.joblog import open_job_log
+from fedcore.runtime.joblog import open_job_log
 
 
 def _attempt(log: Path, history: Path, lines: list[str], end: str = "\n") -> None:

@@ -27,7 +27,7 @@ def _paper_files(tmp_path, paper: str, verdicts: list[str], with_timing: bool) -
                          "status": ["present", "present", "missing", "not selected"]})
     runs.to_csv(tmp_path / f"{paper}_runs.csv", index=False)
     bench = [tmp_path / f"{paper}_a.time.json", tmp_path / f"{paper}_b.time.json"]
-    if with_timing:   # the job's own record (fedcore/jobtime.py); b has none (trained before times were recorded)
+    if with_timing:   # the job's own record (fedcore/runtime/jobtime.py); b has none (trained before times were recorded)
         bench[0].write_text('{"cpu_s": 28.0, "user_s": 26.0, "sys_s": 2.0, "wall_s": 30.5, "max_rss_mib": 800}')
     return PaperInputs(paper, tmp_path / f"{paper}_claims.csv", tmp_path / f"{paper}_scorecard.csv",
                        tmp_path / f"{paper}_runs.csv", [str(b) for b in bench], ["digits (for CIFAR-100) on vit_mini"],
@@ -70,11 +70,11 @@ def test_a_job_records_its_own_cpu_and_wall_time_at_exit(tmp_path):
     import subprocess
     import sys
 
-    from fedcore.jobtime import read_job_time, time_path
+    from fedcore.runtime.jobtime import read_job_time, time_path
 
     log = tmp_path / "logs" / "seed0.log"
     log.parent.mkdir()
-    code = ("from fedcore.jobtime import record_at_exit; record_at_exit(%r); sum(i * i for i in range(3_000_000))"
+    code = ("from fedcore.runtime.jobtime import record_at_exit; record_at_exit(%r); sum(i * i for i in range(3_000_000))"
             % str(log))
     subprocess.run([sys.executable, "-c", code], check=True)
     rec = read_job_time(time_path(log))

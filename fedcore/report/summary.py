@@ -3,7 +3,7 @@ scale the numbers come from, what the runs cost, and what the chosen outputs lea
 builds it.
 
 Every count is read from the files the other report jobs wrote (the claim checks, scorecards and run inventories,
-all at the scale built) and from each training job's own time record (fedcore/jobtime.py): nothing is
+all at the scale built) and from each training job's own time record (fedcore/runtime/jobtime.py): nothing is
 recomputed here, so the summary cannot disagree with the pages it links. Written as Markdown, CSV, a standalone HTML
 page (links to the pages beside it) and an HTML fragment that the report's front page includes (links that open
 the report's items).
@@ -46,8 +46,8 @@ class PaperInputs:
 
 def read_timing(paths: list[str]) -> tuple[int, float, float]:
     """(runs with a time record, their summed wall seconds, their summed CPU seconds) from the training jobs' own
-    records (fedcore/jobtime.py); a run trained before jobs recorded their time has none."""
-    from fedcore.jobtime import read_job_time
+    records (fedcore/runtime/jobtime.py); a run trained before jobs recorded their time has none."""
+    from fedcore.runtime.jobtime import read_job_time
 
     n, wall, cpu = 0, 0.0, 0.0
     for p in paths:

@@ -1,10 +1,10 @@
 """Shared by the thin scripts: send logging and warnings of one job to its Snakemake log file, and record the job's
-own CPU and wall time beside it at exit (fedcore/jobtime.py; the report's summary sums the training jobs')."""
+own CPU and wall time beside it at exit (fedcore/runtime/jobtime.py; the report's summary sums the training jobs')."""
 import logging
 import sys
 
-from fedcore.jobtime import record_at_exit
-from fedcore.joblog import open_job_log
+from fedcore.runtime.jobtime import record_at_exit
+from fedcore.runtime.joblog import open_job_log
 
 
 def setup(snakemake, history=None) -> None:
