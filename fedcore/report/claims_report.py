@@ -14,8 +14,9 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from fedcore.io import atomic_path
 from fedcore.claim_rules import describe, evaluate, source_decimals
+from fedcore.io import atomic_path
+from fedcore.papers import paper_title
 from fedcore.report.claims import claim_grid
 
 CLAIM_COLUMNS = ["paper", "id", "source", "sentence", "table", "predicate", "scale", "verdict", "numbers",
@@ -48,7 +49,7 @@ def _md(text: str) -> str:
 def render_claims_markdown(frame: pd.DataFrame, paper: str, metrics_scales: set[str]) -> str:
     """A summary table (claim × scale) and, per claim, its sentence, predicate and the numbers behind it."""
     scales = list(dict.fromkeys(frame["scale"]))
-    lines = [f"# {paper}: claim check", "",
+    lines = [f"# {paper_title(paper)}: claim check", "",
              "Each claim is a sentence of the paper with a predicate over a results table (or a sweep figure's "
              "points), evaluated on our numbers as shown (rounded) at each scale: holds / does not hold, or, when "
              "a cell it needs has no number: not selected (configured, but the chosen `outputs` leave its run "

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import pandas as pd
 
 from fedcore.io import atomic_path
+from fedcore.papers import paper_title
 from fedcore.report.tables import (
     MISSING_METRIC, MISSING_RUN, NOT_CONFIGURED, NOT_IMPLEMENTED, NOT_SELECTED, OK, PERCENT, build_table,
     metric_factor,
@@ -85,7 +86,7 @@ def render_scorecard_markdown(card: pd.DataFrame, paper: str, tol: float = TOLER
                               metrics_scales: set[str] | None = None) -> str:
     """Per scale a table of cell counts; at scale paper the within-tolerance count and the largest differences;
     a scale missing from `metrics_scales` (the scales the metrics hold) is said to have no runs there."""
-    lines = [f"# {paper}: reproduction scorecard", "",
+    lines = [f"# {paper_title(paper)}: reproduction scorecard", "",
              f"Cells of the paper's result tables (kind metrics) per scale: configured, with the paper's number, "
              f"with a run (a number of ours), and why the rest have none. At scale paper, cells with both numbers "
              f"(in %) are compared: within = |ours − paper| <= {tol:g} points. At mini nothing is compared (the "
