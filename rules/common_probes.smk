@@ -73,16 +73,16 @@ def tsne_inputs(wildcards):
 
 
 def transport_runs(name):
-    """One entry per configured run of the figure (first seed): label, base method, its params, and the run's
-    final.pt, or why there is none."""
+    """One entry per configured run of the figure (first seed): label, variant, base method, and the run's
+    build_run arguments (trained_run_args, with its artifact files), or why there is none."""
     fig = _probe_cfg(name, "transport_plans")
     exp = fig["experiment"]
     out = []
     for r in fig["runs"]:
-        entry = {"label": r["label"], "variant": r["method"], "method": CFG.base_method(r["method"]),
-                 "params": CFG.method_params(exp, r["method"])}
+        entry = {"label": r["label"], "variant": r["method"], "method": CFG.base_method(r["method"])}
         if r["method"] in CFG.experiments[exp]["methods"]:
-            entry["path"] = f"{run_dir(exp, r['method'], CFG.seeds[0])}/final.pt"
+            entry["run"] = {**trained_run_args(exp, r["method"], CFG.seeds[0]),
+                            "artifacts": artifact_files(exp, r["method"])}
         else:
             entry["status"] = "not configured"
         out.append(entry)
@@ -92,13 +92,15 @@ def transport_runs(name):
 def transport_inputs(wildcards):
     fig = _probe_cfg(wildcards.name, "transport_plans")
     exp = CFG.experiments[fig["experiment"]]
+    runs = [r["run"] for r in transport_runs(wildcards.name) if "run" in r]
     return {
         "dataset": dataset_file(exp["dataset"]),
         "partition": partition_file(fig["experiment"], CFG.seeds[0]),
         "backbone": backbone_file(exp["backbone"]),
-        "runs": [r["path"] for r in transport_runs(wildcards.name) if "path" in r],
-        "code": code("probe_transport_plans.py", *sorted({method_module(r["method"]) for r in transport_runs(wildcards.name)
-                                                           if "path" in r})),
+        "runs": [r["final_path"] for r in runs],
+        "artifacts": sorted({f for r in runs for f in r["artifacts"].values()}),
+        "code": run_probe_code("probe_transport_plans.py",
+                               [r["variant"] for r in transport_runs(wildcards.name) if "run" in r]),
     }
 
 

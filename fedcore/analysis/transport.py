@@ -6,7 +6,8 @@ Each image is one client's test image; its plan uses that client's prompts [P_g,
 The images are picked without randomness: the first ``per_client`` test images of each listed client, each of a
 class not yet shown. The plans (n, M, 2) are stored raw (float32, rows = patches in raster order, column 0 =
 global, column 1 = local); the figure normalises and overlays them. A run that is missing or not configured keeps
-its place with a status, so the figure shows the gap.
+its place with a status, so the figure shows the gap. Each run's method is built as training builds it
+(``fedcore.train.build_run``, from the run's params and files), then given its final prompts.
 """
 from __future__ import annotations
 
@@ -26,11 +27,10 @@ from fedcore.data.arrays import load_bundle
 from fedcore.engine.data import InputPipeline
 from fedcore.engine.roles import load_state
 from fedcore.io import atomic_path
-from fedcore.methods import method_class
 from fedcore.methods.fedotp import transport_plans
-from fedcore.partition.class_order import prompt_class_names
 from fedcore.partition.file import Partition
 from fedcore.runtime.device import pick_device
+from fedcore.train import RunFiles, build_run
 
 OK = "ok"
 MISSING_RUN = "missing run"
@@ -81,11 +81,20 @@ def run_plans(method: Any, final: dict, tokens: torch.Tensor, labels: torch.Tens
     return torch.stack(out).float().cpu().numpy()
 
 
+def built_method(args: dict[str, Any], device: torch.device) -> Any:
+    """A run's method as training builds it (fedcore.train.build_run: its params, data, class names, artifacts),
+    on ``device``; ``args``: the probe rule's load arguments of the run (its final prompts are loaded after)."""
+    files = RunFiles(args["dataset_path"], args["partition_path"], (args["weights"],), (args["sha256"],),
+                     artifacts=dict(args.get("artifacts", {})))
+    return build_run(args["params"], args["identity"], args["arch"], files, device).method
+
+
 def compute_transport_plans(dataset_path: str | os.PathLike, partition_path: str | os.PathLike, arch: str,
                             weights: str | os.PathLike | None, runs: list[dict[str, Any]], fig_cfg: dict[str, Any],
                             out_path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> None:
-    """Plans of the picked test images for every run of ``runs`` (dicts: label, method (base), params, and
-    ``path`` to final.pt or ``status``), saved as .npz with the images and the runs' statuses."""
+    """Plans of the picked test images for every run of ``runs`` (dicts: label, variant, method (base), and ``run``:
+    its build arguments with ``final_path``, or ``status``), saved as .npz with the images and the runs' statuses.
+    The images' tokens come from the frozen CLIP of ``weights`` (the runs' own backbone)."""
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)
@@ -103,22 +112,18 @@ def compute_transport_plans(dataset_path: str | os.PathLike, partition_path: str
     labels = torch.from_numpy(bundle.test.y[idx]).to(dev)
     with torch.no_grad():
         tokens = clip.encode_image_tokens(pipeline(images))
-    names = prompt_class_names(clip_classnames(bundle.meta), part.class_order)
     side = int(round((tokens.shape[1] - 1) ** 0.5))
     if side * side != tokens.shape[1] - 1:
         raise ValueError(f"{tokens.shape[1] - 1} patch tokens do not form a square grid")
     plans, statuses = [], []
     for run in runs:
-        path = run.get("path")
-        if path is None or not Path(path).exists():
-            statuses.append(run.get("status", MISSING_RUN) if path is None else MISSING_RUN)
+        args = run.get("run")
+        if args is None or not Path(args["final_path"]).exists():
+            statuses.append(run.get("status", MISSING_RUN) if args is None else MISSING_RUN)
             plans.append(np.full((len(picks), side * side, 2), np.nan, dtype=np.float32))
             continue
-        torch.manual_seed(0)  # the prompts' random init is overwritten by the run's final prompts
-        method = method_class(run["method"])(clip, bundle.num_classes, run.get("params", {}), class_names=names)
-        method.model.to(dev)
-        final = torch.load(path, map_location=dev, weights_only=True)
-        plans.append(run_plans(method, final, tokens, labels, cids))
+        plans.append(run_plans(built_method(args, dev), torch.load(args["final_path"], map_location=dev,
+                                                                   weights_only=True), tokens, labels, cids))
         statuses.append(OK)
     meta = {"format": TRANSPORT_FORMAT, "arch": arch, "grid": [side, side], "runs": [r["label"] for r in runs],
             "methods": [r.get("variant", r["method"]) for r in runs], "status": statuses,
