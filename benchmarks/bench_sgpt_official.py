@@ -1,0 +1,193 @@
+"""SGPT's round: the official code's model beside ours, side by side in one process (issue 24's baseline).
+
+    python benchmarks/bench_sgpt_official.py --official /path/to/SGPT                      # mini shapes, CPU
+    python benchmarks/bench_sgpt_official.py --official /path/to/SGPT --preset paper --amp  # ViT-B/16 at 224, GPU
+
+``--official`` is a checkout of github.com/ubc-tea/SGPT (its ``models/vit_models_pr.py`` is imported from there, never
+copied here; the model of HEAD 213c95b). Its ``models/configs.py`` needs ``ml_collections``: where that package is
+missing, a minimal attribute-dict stands in (the configs only read attributes and items).
+
+Both sides train the same round: ``--clients`` clients (the paper's CIFAR-100 setting: 5 of 100 per round), each
+``--steps`` batches of ``--batch`` random images (the speed does not depend on them), in SGPT's two blocks: Block I
+trains the head and the shared prompts (cross-entropy), Block II the head, the group prompts and the keys
+(cross-entropy plus the key loss), with SGD (lr 0.01, momentum 0.9, weight decay 1e-5) over each block's tensors.
+Both use random weights, the same blocks (shared 0-4, group 5-6, G = 20, query from the last block: the paper's
+s = 50 setting; at ``--preset mini`` the default pipeline's vit_mini blocks) and precompute the Select query once
+per image (the official model caches it by image index in its ``embedding_dict``; ours reads the ``cls_block``
+artifact). Each image counts once per block, as bench_onepass.py counts. The official step is written here from
+the spec's description of its ``train_local_twostage`` (shared/spec/official_code.md, A3); the model is theirs.
+
+Printed: images/s of the official model (fp32 as it ships, and under bf16 autocast with ``--amp``), of ours one
+client after another and in one pass, and ours over the official (the round-time ratio: the same images).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+import types
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_onepass  # noqa: E402
+from fedcore.backbones.prompted import attention_backend  # noqa: E402
+from fedcore.backbones.registry import arch_spec  # noqa: E402
+
+#: SGPT's blocks per preset: (G, shared blocks, group blocks), the official model's image side and arch
+SETTINGS = {"mini": {"groups": 5, "shared": [0], "group": [1, 2], "select": 3, "arch": "vit_mini"},
+            "paper": {"groups": 20, "shared": [0, 1, 2, 3, 4], "group": [5, 6], "select": 11,
+                      "arch": "vit_base_patch16_224"}}
+
+
+class _AttrDict(dict):
+    """What the official configs use of ml_collections.ConfigDict: items also as attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError as e:
+            raise AttributeError(name) from e
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = _AttrDict(value) if isinstance(value, dict) and not isinstance(value, _AttrDict) else value
+
+    def __delattr__(self, name: str) -> None:
+        del self[name]
+
+
+def official_module(checkout: Path) -> types.ModuleType:
+    """The official ``models.vit_models_pr``, imported from ``checkout`` (ml_collections stood in if missing)."""
+    if not (checkout / "models" / "vit_models_pr.py").exists():
+        raise SystemExit(f"--official {checkout}: no models/vit_models_pr.py there (a checkout of ubc-tea/SGPT?)")
+    try:
+        importlib.import_module("ml_collections")
+    except ImportError:
+        sys.modules["ml_collections"] = types.SimpleNamespace(ConfigDict=lambda d=None: _AttrDict(d or {}))
+    sys.path.insert(0, str(checkout))
+    return importlib.import_module("models.vit_models_pr")
+
+
+def official_model(vmp: types.ModuleType, preset: str, classes: int, device: torch.device) -> tuple[nn.Module, int]:
+    """The official VisionTransformer_m at the preset's shapes (random weights, backbone frozen), and its image side."""
+    s = SETTINGS[preset]
+    spec = arch_spec(s["arch"])
+    if preset == "paper":
+        config, side = vmp.CONFIGS["ViT-B_16"], 224
+    else:  # the official ViT with vit_mini's width, depth, heads and patches
+        config = _AttrDict(patches=_AttrDict(size=(spec.patch_size, spec.patch_size)), hidden_size=spec.dim,
+                           classifier="token", representation_size=None,
+                           transformer=_AttrDict(mlp_dim=4 * spec.dim, num_heads=spec.kwargs["num_heads"],
+                                                 num_layers=spec.depth, attention_dropout_rate=0.0, dropout_rate=0.0))
+        side = spec.kwargs["img_size"]
+    args = SimpleNamespace(key_prompt=s["groups"], share_blocks=list(s["shared"]), share_blocks_g=list(s["group"]),
+                           n_prompt=1, device=device, domain_query=False, dataset="cifar100")
+    torch.manual_seed(0)
+    model = vmp.VisionTransformer_m(config, side, num_classes=classes, args=args)
+    model.freeze()
+    return model.to(device), side
+
+
+def _block_params(model: nn.Module, block: int) -> list[nn.Parameter]:
+    """Block I: the head and the shared prompts; Block II: the head, the group prompts and the keys."""
+    head = list(model.head.parameters())
+    if block == 1:
+        return head + list(model.prompt_common.parameters())
+    return head + list(model.prompt_embeddings.parameters()) + [model.prompt_keys]
+
+
+def official_round(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clients: int, steps: int,
+                   cache: dict[int, torch.Tensor]) -> None:
+    """One round of ``clients`` local updates with the official model: Block I, then Block II, ``steps`` each."""
+    index = torch.arange(len(y))
+    for _ in range(clients):
+        for block in (1, 2):
+            model.selection = block == 2
+            params = _block_params(model, block)
+            opt = torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-5)
+            model.train()
+            for _ in range(steps):
+                out = model(x, index, cache) if block == 2 else model(x)
+                loss = F.cross_entropy(out["logits"], y)
+                if block == 2:
+                    loss = loss + out["reduced_sim"]
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+
+
+def time_official(model: nn.Module, side: int, batch: int, classes: int, clients: int, steps: int, repeats: int,
+                  amp: bool, device: torch.device) -> float:
+    """Images/s of the official round (best of ``repeats`` after a warm-up that also fills the query cache)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(batch, 3, side, side, generator=g).to(device) * 2 - 1
+    y = torch.randint(0, classes, (batch,), generator=g).to(device)
+    cache: dict[int, torch.Tensor] = {}
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+    best = float("inf")
+    for rep in range(repeats + 1):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            bench_onepass._sync(device)
+            t0 = clock()
+            official_round(model, x, y, clients, 1 if rep == 0 else steps, cache)
+            bench_onepass._sync(device)
+        if rep:
+            best = min(best, clock() - t0)
+    return 2 * clients * batch * steps / best
+
+
+def main() -> None:
+    """Parse arguments, print the official model's and ours images/s side by side."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--official", type=Path, required=True, help="a checkout of github.com/ubc-tea/SGPT")
+    ap.add_argument("--preset", choices=sorted(SETTINGS), default="mini")
+    ap.add_argument("--clients", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--amp", action="store_true", help="bf16 autocast for ours and (also) the official model")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {a.threads} thread(s)"
+    classes = bench_onepass.PRESETS[a.preset]["classes"]
+    print(f"# SGPT round: {a.clients} clients x {a.steps} steps x batch {a.batch}, two blocks, preset {a.preset}, "
+          f"{name}, torch {torch.__version__}")
+    vmp = official_module(a.official.resolve())
+    model, side = official_model(vmp, a.preset, classes, device)
+    rows = {"official, fp32 (as shipped)": time_official(model, side, a.batch, classes, a.clients, a.steps,
+                                                         a.repeats, False, device)}
+    if a.amp:
+        rows["official, bf16 autocast"] = time_official(model, side, a.batch, classes, a.clients, a.steps, a.repeats,
+                                                        True, device)
+    s = SETTINGS[a.preset]
+    saved, saved_mini = dict(bench_onepass.FAMILIES["sgpt"][1]), bench_onepass.MINI_SGPT
+    params = {"groups": s["groups"], "shared_blocks": s["shared"], "group_blocks": s["group"],
+              "select_block": s["select"]}
+    bench_onepass.FAMILIES["sgpt"][1].update(params)   # the same blocks on our side
+    bench_onepass.MINI_SGPT = params
+    try:
+        with attention_backend(device):
+            ours = bench_onepass.bench("sgpt", a.preset, a.clients, a.batch, a.steps, device, a.amp, a.repeats,
+                                       ["one by one", "one pass"])
+    finally:
+        bench_onepass.FAMILIES["sgpt"][1].clear()
+        bench_onepass.FAMILIES["sgpt"][1].update(saved)
+        bench_onepass.MINI_SGPT = saved_mini
+    rows.update({f"ours, {k}": ours[k] for k in ("one by one", "one pass") if k in ours})
+    base = rows["official, fp32 (as shipped)"]
+    for label, v in rows.items():
+        print(f"  {label:30s} {v:10.1f} images/s  {v / base:6.2f}x the official as shipped", flush=True)
+
+
+if __name__ == "__main__":
+    main()
