@@ -78,9 +78,10 @@ def _config_args(config: dict[str, Any]) -> list[str]:
                           for k, v in config.items())]
 
 
-def plan(out: Path, cores: int, smoke_outputs: str | list[str] = SMOKE_SAMPLE, python: str = sys.executable
-         ) -> list[Step]:
-    """The steps of a full check writing under ``out`` with ``cores`` CPU cores."""
+def plan(out: Path, cores: int, smoke_outputs: str | list[str] = SMOKE_SAMPLE, python: str = sys.executable,
+         sgpt_official: Path | None = None) -> list[Step]:
+    """The steps of a full check writing under ``out`` with ``cores`` CPU cores; with ``sgpt_official`` (a checkout
+    of ubc-tea/SGPT) also SGPT's round beside the official model's (40 s more)."""
     py = [python]
     default_cores, smoke_cores = max(1, cores - cores // 3 - 1), max(1, cores // 3)
     default_cfg = {"results": str(out / "results_default"), "device": "cuda"}
@@ -88,7 +89,12 @@ def plan(out: Path, cores: int, smoke_outputs: str | list[str] = SMOKE_SAMPLE, p
     smoke_cfg = {"results": str(out / "results_smoke"), "scale": "smoke",
                  "outputs": "all" if smoke_all else list(smoke_outputs)}
     bench = "benchmarks/"
-    return [
+    official = [] if sgpt_official is None else [
+        Step("bench_sgpt_official", 1, py + [bench + "bench_sgpt_official.py", "--official", str(sgpt_official),
+                                             "--preset", "paper", "--amp", "--steps", "3", "--repeats", "2"], 40,
+             "benchmark", "SGPT's round (5 clients x batch 40, both blocks, ViT-B/16) with the official model (fp32 as "
+             "shipped, bf16) beside ours one by one and in one pass: issue 24's >= 10x target")]
+    return official + [
         Step("bench_onepass", 1, py + [bench + "bench_onepass.py", "--preset", "paper", "--amp", "--steps", "4",
                                        "--repeats", "2", "--families", "fedvpt", "sgpt", "fedhpl", "fedotp"], 60,
              "benchmark", "a round's clients one by one vs in one pass (vs vmap where offered) at paper shapes, bf16: "
@@ -317,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="'all' (the whole smoke DAG) or comma-separated output names (default: the sample)")
     ap.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
     ap.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS", help="override a timeout")
+    ap.add_argument("--sgpt-official", default=None, type=Path,
+                    help="a checkout of github.com/ubc-tea/SGPT: also time SGPT's round beside its model (+40 s)")
     ap.add_argument("--summary-to", default=None, help="also keep summary.md/json in this directory, rewritten as "
                                                        "the check goes (e.g. a folder that is collected)")
     a = ap.parse_args(argv)
@@ -324,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     also = Path(a.summary_to).resolve() if a.summary_to else None
     (out / "logs").mkdir(parents=True, exist_ok=True)
     smoke = "all" if a.smoke_outputs == "all" else [x for x in a.smoke_outputs.split(",") if x]
-    steps = plan(out, a.cores, smoke)
+    steps = plan(out, a.cores, smoke, sgpt_official=a.sgpt_official.resolve() if a.sgpt_official else None)
     for spec in a.timeout:
         name, _, secs = spec.partition("=")
         hits = [s for s in steps if s.name == name]

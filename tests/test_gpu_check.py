@@ -73,3 +73,11 @@ def test_the_bash_wrapper_runs_without_cuda_and_says_so(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     md = (tmp_path / "summary.md").read_text()
     assert "Nothing ran on a GPU (no CUDA)" in md and "| gpu_tests | 2 | dry-ok |" in md
+
+
+def test_the_official_sgpt_step_comes_only_with_a_checkout(tmp_path):
+    """--sgpt-official adds SGPT's round beside the official model's (phase 1); without it the plan has no such step."""
+    assert "bench_sgpt_official" not in {s.name for s in plan(tmp_path, 16)}
+    steps = plan(tmp_path, 16, sgpt_official=tmp_path / "SGPT")
+    step = next(s for s in steps if s.name == "bench_sgpt_official")
+    assert step.phase == 1 and str(tmp_path / "SGPT") in step.argv and check(step)[0]
