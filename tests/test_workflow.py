@@ -206,23 +206,44 @@ def test_editing_one_method_reruns_only_its_jobs(workspace):
         src.write_text(original)
 
 
-def test_editing_code_a_training_job_imports_reruns_it(workspace):
-    """The engine's evaluation (fedcore/engine/evaluate.py), which only training runs import: every training job
-    reruns, the file among its own updated inputs (code inputs derived from imports), and nothing before them."""
-    src = workspace / "fedcore" / "engine" / "evaluate.py"
-    original = src.read_text()
+def test_editing_any_file_a_training_job_imports_reruns_it(workspace):
+    """Every fedcore file edited at once, the jobs before training (data, partitions, backbones, features) kept up to
+    date, one dry run: every training job reruns, and its updated inputs are exactly the fedcore files it runs (its
+    code inputs: the files a fresh process imports, tests/test_code_inputs.py), so an edit of any one of them alone
+    reruns it; no report, analysis or configuration file is among them, and a method's file only in its own runs."""
+    files = sorted((workspace / "fedcore").rglob("*.py"))
+    originals = {f: f.read_bytes() for f in files}
+    upstream = [p for d in ("data", "partitions", "backbones", "features") for p in (workspace / "results" / d).rglob("*")
+                if p.is_file()]
+    stamps = {p: (p.stat().st_atime_ns, p.stat().st_mtime_ns) for p in upstream}
     try:
-        src.write_text(original + "\n# an edit\n")
+        for f in files:
+            f.write_bytes(originals[f] + b"\n# an edit\n")
+        later = time.time_ns() + 10**9   # their outputs newer than any edit: those jobs stay done
+        for p in upstream:
+            os.utime(p, ns=(later, later))
         out = _snakemake(workspace, "-n")
         assert out.returncode == 0, out.stderr[-3000:]
-    finally:
-        src.write_text(original)
+    finally:  # same bytes again (Snakemake compares the recorded checksums) and the outputs' own times
+        for f, data in originals.items():
+            f.write_bytes(data)
+        for p, (atime, mtime) in stamps.items():
+            os.utime(p, ns=(atime, mtime))
     jobs = [(m.group(1), b) for b in re.split(r"^(?=(?:local)?rule \w+:)", out.stdout, flags=re.M)
             if (m := re.match(r"(?:local)?rule (\w+):", b))]
     trains = [b for rule, b in jobs if rule == "train"]
     assert len(trains) == len(MICRO_EXPERIMENTS) * len(MICRO_METHODS) + 1
-    assert all(re.search(r"reason: Updated input files: fedcore/engine/evaluate\.py", b) for b in trains)
     assert not {rule for rule, _ in jobs} & TRAINING_RULES
+    for block in trains:
+        code = {i for i in re.search(r"input: (.*)", block).group(1).split(", ") if i.startswith("fedcore/")}
+        updated = re.search(r"reason: Updated input files: ([^;\n]*)", block).group(1).split(", ")
+        assert {u for u in updated if u.startswith("fedcore/")} == code and "fedcore/engine/evaluate.py" in code
+        assert not {c for c in code if c.startswith(("fedcore/report/", "fedcore/analysis/", "fedcore/config/"))}
+        method = re.search(r"method=(\w+)", block).group(1)
+        own = "fedcore/methods/head_tune.py" if method == "head_tune" else "fedcore/methods/sgpt.py"
+        other = "fedcore/methods/sgpt.py" if method == "head_tune" else "fedcore/methods/head_tune.py"
+        assert own in code and other not in code, method
+    assert _planned_jobs(workspace) == []   # restored: nothing left to do
 
 
 def test_editing_code_no_training_job_imports_reruns_no_training(workspace):
