@@ -4,16 +4,14 @@ from fedcore.data.facts import FACTS
 from fedcore.data.sources import FOLDER_LAYOUT_DATASETS
 from fedcore.runtime.jobtime import time_path
 from fedcore.papers import paper_title
-from fedcore.report.html_pages import (copy_page, figure_page, output_description, output_title, report_caption,
-                                       report_category, title_key)
+from fedcore.report.html_pages import output_description, output_title, report_caption, report_category, title_key
 from fedcore.report.inventory import configured_runs, method_labels, unbuilt_outputs
 from fedcore.report.render import figure_input, personalized_flags, table_input
 from fedcore.selection import table_run_list
 
 # The code a table or figure runs (its script's imports: rules/common.smk `code`): an edit of it rebuilds them
-# (cheap), never a training run. The item pages are written in Snakemake's process by html_pages.
+# (cheap), never a training run.
 TABLE_CODE, FIGURE_CODE = code("make_table.py"), code("make_figure.py")
-PAGE_CODE = [str(FEDCORE / f) for f in code_files("fedcore.report.html_pages")]
 
 # >>> Claim checks and scorecards: the ONE place to add them to the HTML report. The rules `claims` and
 # `scorecard` (another change) write results/report/{paper}_claims.md and {paper}_scorecard.md; list each page

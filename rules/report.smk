@@ -6,7 +6,9 @@
 # and Scorecard, and the Choices and deviations. Each item is a page of its own under results/report/items (a
 # figure with its caption under it; a copy of a table or page), built by a job whose only params are its caption:
 # the report's info panel shows a job's params, and the jobs that build the tables carry whole config sections.
-localrules: figure_page, report_copy  # in Snakemake's own process: no Python start per page
+# They are scripts, not `run:` blocks: Snakemake starts a `run:` job as a Snakemake process of its own, which loads the
+# whole workflow again (~5 s of CPU a page); a script starts Python with the page's few imports. Local: cheap.
+localrules: figure_page, report_copy
 
 
 rule aggregate_metrics:
@@ -117,7 +119,7 @@ rule markdown_page:
 rule figure_page:
     input:
         png=f"{RESULTS}/figures/{{name}}.png",
-        code=PAGE_CODE,
+        code=code("figure_page.py"),
     output:
         report(f"{RESULTS}/report/items/{{folder}}/{{name}}.html", caption=ITEM_CAPTION, category=item_category,
                subcategory=item_subcategory, labels=item_labels),
@@ -130,13 +132,14 @@ rule figure_page:
         report_caption=item_caption,
     log:
         f"{RESULTS}/logs/report/figure_page/{{folder}}_{{name}}.log",
-    run:
-        figure_page(input.png, output[0], params.title, params.caption, params.scale)
+    script:
+        "../workflow/scripts/figure_page.py"
 
 
 rule report_copy:
     input:
-        f"{RESULTS}/{{folder}}/{{name}}.html",
+        page=f"{RESULTS}/{{folder}}/{{name}}.html",
+        code=code("report_copy.py"),
     output:
         report(f"{RESULTS}/report/items/{{folder}}/{{name}}.html", caption=ITEM_CAPTION, category=item_category,
                subcategory=item_subcategory, labels=item_labels),
@@ -146,8 +149,8 @@ rule report_copy:
         report_caption=item_caption,
     log:
         f"{RESULTS}/logs/report/items/{{folder}}_{{name}}.log",
-    run:
-        copy_page(input[0], output[0])
+    script:
+        "../workflow/scripts/report_copy.py"
 
 
 rule summary:
