@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _device import bench_device  # noqa: E402 (benchmarks/, the script's own folder, is first on sys.path)
 from fedcore.backbones.images import to_model_input  # noqa: E402
 from fedcore.backbones.prompted import attention_backend  # noqa: E402
 from fedcore.backbones.registry import build_backbone, input_cfg, prompt_adapter  # noqa: E402
@@ -86,9 +87,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--amp", action="store_true", help="bf16 autocast (GPU)")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {a.threads} thread(s)"
+    device, name = bench_device(a.threads)
     archs = SETTINGS[a.setting]
     torch.manual_seed(0)
     backbones = [prompt_adapter(build_backbone(arch)).to(device) for arch in archs]

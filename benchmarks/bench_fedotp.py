@@ -37,6 +37,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _device import bench_device  # noqa: E402 (benchmarks/, the script's own folder, is first on sys.path)
 from fedcore.backbones.images import to_model_input  # noqa: E402
 from fedcore.backbones.registry import build_backbone, input_cfg, prompt_adapter  # noqa: E402
 from fedcore.engine.data import Batch  # noqa: E402
@@ -117,8 +118,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    device = torch.device(a.device)
+    device, name = bench_device(a.threads, a.device)
     torch.manual_seed(0)
     clip = prompt_adapter(build_backbone(a.arch, a.weights)).to(device)
     method = FedOTP(clip, a.classes, {}, class_names=[f"class {k}" for k in range(a.classes)])
@@ -130,7 +130,6 @@ def main() -> None:
         tokens = clip.encode_image_tokens(x).half()  # as the artifact stores them
     batch = Batch(x, torch.randint(0, a.classes, (a.batch,), device=device), torch.arange(a.batch, device=device),
                   {TOKENS: tokens})
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {a.threads} thread(s)"
     print(f"# FedOTP {a.arch}, K={a.classes}, batch {a.batch}, {a.steps} steps, {name}")
     cached = steps_per_second(method, batch, a.steps, reencode=False, device=device)
     again = steps_per_second(method, batch, a.steps, reencode=True, device=device)

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _device import bench_device  # noqa: E402 (benchmarks/, the script's own folder, is first on sys.path)
 from fedcore.backbones.images import to_model_input  # noqa: E402
 from fedcore.backbones.prompted import attention_backend  # noqa: E402
 from fedcore.backbones.registry import build_backbone, input_cfg, prompt_adapter  # noqa: E402
@@ -62,16 +63,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def setup(family: str, preset: str, batch: int, device: torch.device) -> tuple[Any, Batch]:
-    """(method, one batch) of ``family`` at ``preset``'s backbone, random weights; artifacts are random (cached)."""
-    name, params, kind, _, _, _ = FAMILIES[family]
+def setup(family: str, preset: str, batch: int, device: torch.device, params: dict | None = None
+          ) -> tuple[Any, Batch]:
+    """(method, one batch) of ``family`` at ``preset``'s backbone, random weights; artifacts are random (cached);
+    ``params``: the method's params instead of the family's (and mini SGPT's blocks)."""
+    name, family_params, kind, _, _, _ = FAMILIES[family]
     p = PRESETS[preset]
     arch = p["clip"] if kind == "clip" else p["vit"]
     torch.manual_seed(0)
     backbone = prompt_adapter(build_backbone(arch)).to(device)
     cls = method_class(name)
-    if name == "sgpt" and preset == "mini":
-        params = MINI_SGPT
+    if params is None:
+        params = MINI_SGPT if name == "sgpt" and preset == "mini" else family_params
     classes = p["classes"]
     kw = {"class_names": [f"class {i}" for i in range(classes)]} if kind == "clip" else {}
     method = cls(backbone, classes, dict(params), **kw).to(device)
@@ -142,12 +145,13 @@ def flops_per_image(method: Any, b: Batch, settings: TrainSettings, amp: bool) -
 
 
 def bench(family: str, preset: str, clients: int | None, batch: int | None, steps: int, device: torch.device,
-          amp: bool, repeats: int, only: list[str] | None, compile_mode: str | None = None) -> dict[str, Any]:
+          amp: bool, repeats: int, only: list[str] | None, compile_mode: str | None = None,
+          params: dict | None = None) -> dict[str, Any]:
     """Images/s of each path for one round of ``family`` (best of ``repeats``), and FLOP/image; ``compile_mode``:
-    the one pass's step under ``torch.compile`` (the engine's ``RunSpec.compile``)."""
+    the one pass's step under ``torch.compile`` (the engine's ``RunSpec.compile``); ``params``: see ``setup``."""
     _, _, _, paper_clients, paper_batch, passes = FAMILIES[family]
     clients, batch = clients or paper_clients, batch or paper_batch
-    method, b = setup(family, preset, batch, device)
+    method, b = setup(family, preset, batch, device, params)
     settings = TrainSettings(1, batch, {"name": "sgd", "lr": 0.01, "momentum": 0.9})
     compiled = TrainSettings(1, batch, settings.optimizer, compile=compile_mode)
     result: dict[str, Any] = {"family": family, "clients": clients, "batch": batch,
@@ -187,9 +191,7 @@ def main() -> None:
     ap.add_argument("--compile", default=None, choices=["default", "reduce-overhead", "max-autotune"],
                     help="the one pass's step under torch.compile (reduce-overhead: CUDA graphs; GPU)")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {a.threads} thread(s)"
+    device, name = bench_device(a.threads)
     print(f"# preset {a.preset}, {a.steps} steps a client, {name}, torch {torch.__version__}, amp={a.amp}, "
           f"compile={a.compile}")
     print(f"# {'family':10s} {'C':>3s} {'B':>3s} {'GFLOP/img':>9s} | images/s: {'one by one':>10s} {'one pass':>9s} "

@@ -38,6 +38,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _device import bench_device  # noqa: E402 (benchmarks/, the script's own folder, is first on sys.path)
 import bench_onepass  # noqa: E402
 from fedcore.backbones.prompted import attention_backend  # noqa: E402
 from fedcore.backbones.registry import arch_spec  # noqa: E402
@@ -156,9 +157,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--amp", action="store_true", help="bf16 autocast for ours and (also) the official model")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {a.threads} thread(s)"
+    device, name = bench_device(a.threads)
     classes = bench_onepass.PRESETS[a.preset]["classes"]
     print(f"# SGPT round: {a.clients} clients x {a.steps} steps x batch {a.batch}, two blocks, preset {a.preset}, "
           f"{name}, torch {torch.__version__}")
@@ -170,19 +169,11 @@ def main() -> None:
         rows["official, bf16 autocast"] = time_official(model, side, a.batch, classes, a.clients, a.steps, a.repeats,
                                                         True, device)
     s = SETTINGS[a.preset]
-    saved, saved_mini = dict(bench_onepass.FAMILIES["sgpt"][1]), bench_onepass.MINI_SGPT
     params = {"groups": s["groups"], "shared_blocks": s["shared"], "group_blocks": s["group"],
-              "select_block": s["select"]}
-    bench_onepass.FAMILIES["sgpt"][1].update(params)   # the same blocks on our side
-    bench_onepass.MINI_SGPT = params
-    try:
-        with attention_backend(device):
-            ours = bench_onepass.bench("sgpt", a.preset, a.clients, a.batch, a.steps, device, a.amp, a.repeats,
-                                       ["one by one", "one pass"])
-    finally:
-        bench_onepass.FAMILIES["sgpt"][1].clear()
-        bench_onepass.FAMILIES["sgpt"][1].update(saved)
-        bench_onepass.MINI_SGPT = saved_mini
+              "select_block": s["select"]}   # the same blocks on our side
+    with attention_backend(device):
+        ours = bench_onepass.bench("sgpt", a.preset, a.clients, a.batch, a.steps, device, a.amp, a.repeats,
+                                   ["one by one", "one pass"], params=params)
     rows.update({f"ours, {k}": ours[k] for k in ("one by one", "one pass") if k in ours})
     base = rows["official, fp32 (as shipped)"]
     for label, v in rows.items():

@@ -23,6 +23,7 @@ from torchvision.models.resnet import BasicBlock, conv1x1
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _device import device_name  # noqa: E402 (benchmarks/, the script's own folder, is first on sys.path)
 from fedcore.engine.data import Batch  # noqa: E402
 from fedcore.engine.roles import module_state, state_keys  # noqa: E402
 from fedcore.engine.together import one_by_one, train_together  # noqa: E402
@@ -78,7 +79,7 @@ def main() -> None:
             best = min(best, time.perf_counter() - t0)
         return best
 
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {a.threads} thread(s)"
+    name = device_name(device, a.threads)
     alone, together = round_seconds(one_by_one), round_seconds(train_together)
     print(f"# ResNet-8 + BatchNorm, {a.clients} clients x {a.steps} steps of {a.batch} at {a.size} px, {name}")
     print(f"one by one {alone:8.3f} s/round   together {together:8.3f} s/round   speed-up {alone / together:5.2f}x")

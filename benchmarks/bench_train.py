@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _device import bench_device  # noqa: E402 (benchmarks/, the script's own folder, is first on sys.path)
 from fedcore.backbones.images import to_model_input  # noqa: E402
 from fedcore.backbones.prompted import PromptedViT, attention_backend  # noqa: E402
 from fedcore.backbones.vit import backbone_info, build_vit  # noqa: E402
@@ -114,9 +115,7 @@ def main() -> None:
     ap.add_argument("--amp", action="store_true", help="bf16 autocast (GPU)")
     ap.add_argument("--clients", type=int, default=1, help="also time this many clients trained together")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {a.threads} thread(s)"
+    device, name = bench_device(a.threads)
     print(f"# {a.arch}, batch {a.batch}, {a.steps} steps, {name}, amp={a.amp}")
     for method in a.methods:
         with attention_backend(device):  # as training runs: the math kernel on CPU (vmap has no flash rule there)
