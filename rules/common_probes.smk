@@ -92,15 +92,15 @@ def transport_runs(name):
 def transport_inputs(wildcards):
     fig = _probe_cfg(wildcards.name, "transport_plans")
     exp = CFG.experiments[fig["experiment"]]
-    runs = [r["run"] for r in transport_runs(wildcards.name) if "run" in r]
+    built = [r for r in transport_runs(wildcards.name) if "run" in r]
+    runs = [r["run"] for r in built]
     return {
         "dataset": dataset_file(exp["dataset"]),
         "partition": partition_file(fig["experiment"], CFG.seeds[0]),
         "backbone": backbone_file(exp["backbone"]),
         "runs": [r["final_path"] for r in runs],
         "artifacts": sorted({f for r in runs for f in r["artifacts"].values()}),
-        "code": run_probe_code("probe_transport_plans.py",
-                               [r["variant"] for r in transport_runs(wildcards.name) if "run" in r]),
+        "code": run_probe_code("probe_transport_plans.py", [r["variant"] for r in built]),
     }
 
 
