@@ -95,6 +95,28 @@ def test_a_phase_leaves_its_frozen_tensors_unchanged(feature_epochs, frozen, mov
     assert {f"ce_{phase}", f"con_{phase}", "ce", "con"} <= set(stats)
 
 
+@pytest.mark.parametrize("scope", ["phase", "round"])
+def test_in_the_task_phase_phi_moves_by_l_ce_alone(scope, monkeypatch):
+    """Paper l.137: in the task phase "ϕi is updated solely by L_CE". With L_CE zeroed there, φ's parameters end the
+    round where the feature phase left them, unless one optimiser's momentum carries L_Con's steps over (``round``)."""
+    losses = FedPFT.client_role.losses
+
+    def no_task_ce(self, model, phase, batch, data, moco):
+        ce, con, key = losses(self, model, phase, batch, data, moco)
+        return (ce * 0 if phase.name == "task" else ce), con, key
+
+    monkeypatch.setattr(FedPFT.client_role, "losses", no_task_ce)
+    phi = {}
+    for local_epochs in (1, 2):                 # R_f = 1: the feature phase alone, then with a task phase after it
+        method = _method(optimizer_scope=scope)
+        model, moco = _ready(method)
+        settings = TrainSettings(local_epochs=local_epochs, batch_size=8, optimizer=SETTINGS.optimizer)
+        method.client.run_round(model, 0, 0, _data(), settings, moco)
+        phi[local_epochs] = {k: v.detach().clone() for k, v in model.net.named_parameters()}
+    same = all(torch.equal(phi[1][k], phi[2][k]) for k in phi[1])
+    assert same == (scope == "phase")
+
+
 def test_without_contrastive_the_feature_phase_trains_only_prompts_and_tau():
     method = _method(contrastive=False, feature_epochs=2)
     model = method.model.train()

@@ -306,8 +306,9 @@ def float64():
     torch.set_default_dtype(before)
 
 
+@pytest.mark.parametrize("fresh", [False, True], ids=["one_optimiser", "fresh_per_phase"])
 @pytest.mark.parametrize("opt", [SGD, ADAM], ids=["sgd", "adam"])
-def test_phases_with_carry_mutable_tensors_and_prepare_equal_one_by_one(opt, float64):
+def test_phases_with_carry_mutable_tensors_and_prepare_equal_one_by_one(opt, fresh, float64):
     torch.manual_seed(3)
     model = TwoPhase()
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
@@ -322,9 +323,13 @@ def test_phases_with_carry_mutable_tensors_and_prepare_equal_one_by_one(opt, flo
         batches = make_batches([len(plan)], {0: 5} if c == 2 else {}, (6,), 3, 10 + c)[0]
         steps.append([(ph, b._replace(extras={"scale": torch.rand(len(b.y), generator=g) + 0.5}))
                       for ph, b in zip(plan, batches)])
-    kw = dict(carries=carries, mutable=["ema.weight"], lrs={"head.weight": 0.5 * opt["lr"]})
+    kw = dict(carries=carries, mutable=["ema.weight"], lrs={"head.weight": 0.5 * opt["lr"]}, fresh_per_phase=fresh)
     a = together.train_phases_together(model, names, phases, starts, [iter(s) for s in steps], opt, **kw)
     b = together.phases_one_by_one(model, names, phases, starts, [iter(s) for s in steps], opt, **kw)
+    other = together.phases_one_by_one(model, names, phases, starts, [iter(s) for s in steps], opt,
+                                       **{**kw, "fresh_per_phase": not fresh})
+    # the flag is real: a phase change with or without the optimiser's state gives other tensors
+    assert not torch.equal(other[2].state["body.weight"], b[2].state["body.weight"])
     for c, (ta, tb) in enumerate(zip(a, b, strict=True)):
         for n in names:
             torch.testing.assert_close(ta.state[n], tb.state[n], atol=1e-5, rtol=0, msg=lambda m, n=n: f"{n}: {m}")

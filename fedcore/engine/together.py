@@ -271,13 +271,16 @@ def train_phases_together(model: nn.Module, names: list[str], phases: dict[Any, 
                           starts: list[dict[str, Tensor]], streams: list[Iterator[tuple[Any, Any]]],
                           optimizer: dict, *, carries: list[dict[str, Tensor]] | None = None,
                           mutable: Sequence[str] = (), lrs: dict[str, float] | None = None,
-                          batch_len: Callable[[Any], int] = default_batch_len) -> list[Trained]:
+                          batch_len: Callable[[Any], int] = default_batch_len,
+                          fresh_per_phase: bool = False) -> list[Trained]:
     """Each client trained together, one optimiser over every phase: streams yield (phase key, batch) steps.
 
     Clients are grouped per step by phase, batch structure and how many steps each trained tensor has taken
     (one Adam step count / SGD first step per group); a tensor that a phase does not train gets no gradient
     and no optimiser step there (torch.optim skips it), as :func:`phases_one_by_one` with ``requires_grad``
     off. ``lrs``: learning rates of single tensors (torch's parameter groups), default the optimiser's lr.
+    ``fresh_per_phase``: a client whose phase changes starts a fresh optimiser (no momentum, Adam moments or step
+    count carried over), as a new torch optimiser per phase would.
     """
     hp = optimizer_spec(optimizer)
     lrs = dict(lrs or {})
@@ -310,6 +313,7 @@ def train_phases_together(model: nn.Module, names: list[str], phases: dict[Any, 
     steps = [dict.fromkeys(trained, 0) for _ in range(k)]
     moments: dict[str, dict[str, Tensor]] = {}
     rows_cache: dict[tuple[int, ...], Tensor | None] = {}
+    last_phase: list[Any] = [_END] * k
     live = list(range(k))
     while live:
         items = {c: next(streams[c], _END) for c in live}
@@ -318,6 +322,12 @@ def train_phases_together(model: nn.Module, names: list[str], phases: dict[Any, 
         flat: dict[int, tuple[list[Any], Any]] = {}
         for c in live:
             key, batch = items[c]
+            if fresh_per_phase and last_phase[c] is not _END and key != last_phase[c]:
+                steps[c] = dict.fromkeys(trained, 0)  # SGD's first step again, Adam's count from 1
+                for bufs in moments.values():
+                    for t in bufs.values():
+                        t[c].zero_()
+            last_phase[c] = key
             leaves, spec = tree_flatten(batch)
             flat[c] = (leaves, spec)
             counts = tuple(steps[c][n] for n in phases[key].trainable)
@@ -391,9 +401,11 @@ def phases_one_by_one(model: nn.Module, names: list[str], phases: dict[Any, Phas
                       starts: list[dict[str, Tensor]], streams: list[Iterator[tuple[Any, Any]]],
                       optimizer: dict, *, carries: list[dict[str, Tensor]] | None = None,
                       mutable: Sequence[str] = (), lrs: dict[str, float] | None = None,
-                      batch_len: Callable[[Any], int] = default_batch_len) -> list[Trained]:
+                      batch_len: Callable[[Any], int] = default_batch_len,
+                      fresh_per_phase: bool = False) -> list[Trained]:
     """The reference of :func:`train_phases_together`: each client in turn, loaded into ``model``, one fresh torch
-    optimiser (a parameter group per learning rate) over every phase, each phase's tensors alone requiring grad."""
+    optimiser (a parameter group per learning rate) over every phase (``fresh_per_phase``: a new one whenever the
+    phase changes), each phase's tensors alone requiring grad."""
     hp = optimizer_spec(optimizer)
     lrs = dict(lrs or {})
     trained, _ = _check_phases(model, names, phases, mutable, lrs)
@@ -418,11 +430,16 @@ def phases_one_by_one(model: nn.Module, names: list[str], phases: dict[Any, Phas
             by_lr: dict[float, list[Tensor]] = {}
             for n in trained:
                 by_lr.setdefault(lrs.get(n, hp.lr), []).append(params[n])
-            opt = make_optimizer([{"params": ps, "lr": lr} for lr, ps in by_lr.items()], hp)
+            groups = [{"params": ps, "lr": lr} for lr, ps in by_lr.items()]
+            opt = make_optimizer(groups, hp)
             carry = {n: t.detach().clone() for n, t in own.items()}
             sums: dict[str, Tensor] = {}
             seen: dict[str, int] = {}
+            last = _END
             for key, batch in stream:
+                if fresh_per_phase and last is not _END and key != last:
+                    opt = make_optimizer(groups, hp)
+                last = key
                 phase = phases[key]
                 m = batch_len(batch)
                 if phase.prepare is not None:  # on a stack of one client, as train_phases_together's groups

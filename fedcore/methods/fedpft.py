@@ -9,9 +9,11 @@ client's state and in every checkpoint (§8 A3: ``key_encoder: persistent``; ``r
 at each round start). Evaluation: each client's personalised model, global φ, τ, h_κ + its own p_κ, on its own
 test set (§1.10).
 
-Local round (§1.7, Eqs. 5-6), one optimiser for the round (fresh every round, §8 A6): R_f = ``feature_epochs``
-epochs of the feature-learning phase, then R_a = local_epochs − R_f of the task-adaptation phase; every step the
-sum L_CE + L_Con (no weights, §1.5):
+Local round (§1.7, Eqs. 5-6), a fresh optimiser for each phase (paper l.137: in the task phase "ϕi is updated
+solely by L_CE", so no momentum of the feature phase's L_Con steps carries over; §8 A6 re-creates it every round;
+``optimizer_scope: round``: one optimiser over both phases): R_f = ``feature_epochs`` epochs of the
+feature-learning phase, then R_a = local_epochs − R_f of the task-adaptation phase; every step the sum L_CE + L_Con
+(no weights, §1.5):
 * feature phase trains p_κ, φ, τ, h_ρ (h_κ and p_ρ frozen); φ is run without gradient in the CE branch, so it
   learns from L_Con only;
 * task phase trains φ, τ, h_κ, p_ρ (p_κ and h_ρ frozen); φ is run without gradient in the contrastive branch, so
@@ -201,7 +203,8 @@ class FedPFTClient(Client):
 
     def run_round(self, model: PFTModel, cid: int, stage: int, data: ClientData, settings: TrainSettings,
                   moco: dict | None) -> dict[str, float]:
-        """Every phase of the round with one optimiser (τ at its own lr); returns the mean losses per phase."""
+        """Every phase of the round, a fresh optimiser per phase (``optimizer_scope: round``: one for the round; τ at
+        its own lr); returns the mean losses per phase."""
         p = self.params
         plan = [(ph, e) for ph, e in phase_plan(p, settings.local_epochs, stage) if e > 0]
         named = dict(model.named_parameters())
@@ -214,7 +217,9 @@ class FedPFTClient(Client):
         opt = make_optimizer(groups, settings.optimizer)
         sums: dict[str, Tensor] = {}
         counts: dict[str, int] = {}
-        for phase, epochs in plan:
+        for i, (phase, epochs) in enumerate(plan):
+            if i and p["optimizer_scope"] == "phase":
+                opt = make_optimizer(groups, settings.optimizer)  # no momentum carried into the next phase
             with only_training(model, [k for k in trainable if part(k) in phase.train]):
                 for _ in range(epochs):
                     for batch in data.batches():
@@ -276,7 +281,8 @@ class FedPFTClient(Client):
         with autocast_for(next(iter(model.parameters()))):
             finals = train_phases_together(model, names, kinds, starts, streams, settings.optimizer,
                                            carries=carries if model.key is not None else None, mutable=mutable,
-                                           lrs=lrs, batch_len=lambda step: len(step.y))
+                                           lrs=lrs, batch_len=lambda step: len(step.y),
+                                           fresh_per_phase=p["optimizer_scope"] == "phase")
         return [self._finish_together(model, keys, key_keys, st, d, t)
                 for st, d, t in zip(states, datas, finals, strict=True)]
 
@@ -410,7 +416,8 @@ class FedPFT(Method):
                 "tau_con_grad_task": True, "heads": 8, "tau_residual": False, "tau_norm": False,
                 "prompt_std": 0.02, "prompt_init": "per_client", "con_dim": 128, "queue_size": 65536,
                 "moco_momentum": 0.999, "temperature": 0.07, "key_encoder": "persistent",
-                "moco_augment": "moco_v1", "classifier": "global", "two_stage": None, "client_batching": "auto"}
+                "moco_augment": "moco_v1", "classifier": "global", "two_stage": None, "client_batching": "auto",
+                "optimizer_scope": "phase"}
     param_rules = {"init": Choice(INITS), "n_kappa": Int(0), "n_rho": Int(0), "feature_epochs": Int(0),
                    "tau_lr": Number(0.0, lo_open=True), "tau_lr_no_con": Number(0.0, lo_open=True),
                    "contrastive": Flag(), "alternate": Flag(), "tau": Flag(), "tau_con_grad_task": Flag(),
@@ -420,7 +427,8 @@ class FedPFT(Method):
                    "key_encoder": Choice(("persistent", "resync")), "classifier": Choice(("global", "personal")),
                    "two_stage": Int(1, optional=True),
                    "moco_augment": Choice(AUGMENT_NAMES),
-                   "client_batching": Choice(("auto", "batched", "one_by_one"))}
+                   "client_batching": Choice(("auto", "batched", "one_by_one")),
+                   "optimizer_scope": Choice(("phase", "round"))}
     client_role = FedPFTClient
     strategy_role = FedPFTStrategy
     evaluator_role = PersonalEvaluator
