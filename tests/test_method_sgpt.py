@@ -270,3 +270,29 @@ def test_cvpr_era_pooling_averages_cls_and_every_prompt_token(grouped):
     m.model.pooling = "cls_group"
     expected = tokens[:, :3].mean(1) if grouped else tokens[:, 0]
     torch.testing.assert_close(m.model(x, groups), m.model.head(expected))
+
+
+def test_select_cluster_acc_scores_the_whole_test_set():
+    """Table 4 (paper §5.3.1: "clustering accuracy using the CIFAR-100 test dataset"): Select is scored on every
+    test image, not only on the union of the clients' local test sets (~75 % of CIFAR-100's at s=50)."""
+    from fedcore.engine.data import DeviceSplit
+    from fedcore.engine.evaluate import EvalSets
+    from fedcore.engine.roles import RoundContext
+    from fedcore.metrics import hungarian_accuracy
+
+    m = _method()
+    gen = torch.Generator().manual_seed(3)
+    n = 40
+    q = torch.randn(n, _dim(m), generator=gen)
+    coarse = torch.randint(0, 3, (n,), generator=gen)
+    test = DeviceSplit(torch.zeros(n, 16, 16, 3, dtype=torch.uint8), coarse.clone(), coarse=coarse,
+                       extras={QUERY: q})
+    local = [torch.arange(0, 10), torch.arange(10, 20)]          # the clients hold half of the test images
+    train = DeviceSplit(torch.zeros(1, 16, 16, 3, dtype=torch.uint8), torch.zeros(1, dtype=torch.long))
+    ctx = RoundContext(1, True, train, [torch.arange(1)], EvalSets(test, local, test, "pooled_local"), None, 8)
+    rows = m.evaluator.round_rows(ctx, m.model, {})
+    got = [v for c, s, metric, v in rows if metric == "select_cluster_acc"]
+    want = hungarian_accuracy(select_groups(q, m.model.keys).numpy(), coarse.numpy())
+    assert got == [pytest.approx(want)]
+    pooled = hungarian_accuracy(select_groups(q[:20], m.model.keys).numpy(), coarse[:20].numpy())
+    assert want != pytest.approx(pooled)                           # the test tells the two sets apart

@@ -26,7 +26,14 @@ def test_test_sizes_from_a_partition(tmp_path):
     part = Partition([np.array([0]), np.array([1])], [np.array([0, 1, 2]), np.array([2, 3])], {"scheme": "x"}, 0)
     part.save(tmp_path / "p.npz")
     assert eval_sizes(tmp_path / "p.npz", "pooled_local", None) == EvalSizes((3, 2), 4)
-    assert eval_sizes(tmp_path / "p.npz", "official_test", 315) == EvalSizes((3, 2), 315)
+    assert eval_sizes(tmp_path / "p.npz", "official_test", 315) == EvalSizes((3, 2), 315, 315)
+    assert eval_sizes(tmp_path / "p.npz", "pooled_local", 315) == EvalSizes((3, 2), 4, 315)
+
+
+def test_select_cluster_acc_counts_the_whole_test_split():
+    # SGPT Table 4 scores every test image, not the union of the local test sets
+    assert cell_test_images("select_cluster_acc", -1, None, EvalSizes((20, 15, 10), 40, 100))[0] == 100
+    assert cell_test_images("select_cluster_acc", -1, None, EvalSizes((20, 15, 10), 40))[0] is None
 
 
 @pytest.mark.parametrize("metric, client, clients, n", [

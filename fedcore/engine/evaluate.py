@@ -28,7 +28,7 @@ class EvalSets:
 
     source: DeviceSplit             # split the local test indices point into
     client_indices: list[torch.Tensor]
-    official: DeviceSplit | None    # official test split when global_test == 'official_test'
+    official: DeviceSplit | None    # the dataset's whole test split (global accuracy reads it when global_test == 'official_test')
     global_test: str                # 'pooled_local' | 'official_test'
 
     def __post_init__(self) -> None:

@@ -7,8 +7,9 @@ is one image: 100 / n points. For a single seed the table gives the Wilson score
 proportion with n images (Wilson 1927; it stays inside [0, 100] and is sensible at 0 and 100 %, unlike the
 normal approximation); several seeds give mean ± std over seeds instead. Which n a metric uses:
 
-    global_acc, global_acc_min/max,     the global test set (the union of the clients' local test sets without
-    select_cluster_acc                  repeats, or the dataset's official test split)
+    global_acc, global_acc_min/max      the global test set (the union of the clients' local test sets without
+                                        repeats, or the dataset's official test split)
+    select_cluster_acc                  the dataset's whole test split (SGPT Table 4 scores every test image)
     local_acc                           the sum of the clients' local test sets (a mean of client accuracies:
                                         exact for equal client sets, an approximation otherwise)
     worst_local_acc                     the smallest client's local test set (the worst client is one client;
@@ -39,7 +40,8 @@ ALL_ZERO, ALL_EQUAL = "all 0", "all equal"
 RESOLUTION_COLUMNS = ["test_images", "test_images_of", "step", "ci95_low", "ci95_high", "interval", "degenerate"]
 
 # metric -> which test set its n counts (module docstring)
-_GLOBAL = {"global_acc", "global_acc_min", "global_acc_max", "select_cluster_acc"}
+_GLOBAL = {"global_acc", "global_acc_min", "global_acc_max"}
+_TEST_SPLIT = {"select_cluster_acc"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class EvalSizes:
 
     clients: tuple[int, ...]
     global_set: int | None
+    test_split: int | None = None   # the dataset's whole test split
 
 
 def wilson_interval(p: float, n: int, z: float = Z95) -> tuple[float, float]:
@@ -63,23 +66,28 @@ def wilson_interval(p: float, n: int, z: float = Z95) -> tuple[float, float]:
 
 def eval_sizes(partition_path: str | os.PathLike, global_test: str, official_size: int | None) -> EvalSizes:
     """The test sizes of a run from its partition file; ``global_test`` official_test takes ``official_size``
-    (the dataset's test split), pooled_local the union of the clients' test indices."""
+    (the dataset's test split), pooled_local the union of the clients' test indices; ``official_size`` is also
+    the whole test split's size."""
     part = Partition.load(partition_path)
     clients = tuple(len(t) for t in part.test)
     if global_test == "official_test":
-        return EvalSizes(clients, official_size)
+        return EvalSizes(clients, official_size, official_size)
     pooled = np.unique(np.concatenate(part.test)) if part.test else np.empty(0)
-    return EvalSizes(clients, int(len(pooled)))
+    return EvalSizes(clients, int(len(pooled)), official_size)
 
 
 def cell_test_images(metric: str, client: int, clients: list[int] | None, sizes: EvalSizes | None
                      ) -> tuple[int | None, str]:
     """(n, what n counts) for a cell of ``metric`` (client -1 = aggregate; ``clients`` of a mean-over-clients
     column); (None, reason) when the cell is no proportion of test images or the sizes are unknown."""
-    if metric not in _GLOBAL and metric not in ("local_acc", "worst_local_acc", "client_acc"):
+    if metric not in _GLOBAL | _TEST_SPLIT and metric not in ("local_acc", "worst_local_acc", "client_acc"):
         return None, NOT_A_PROPORTION
     if sizes is None:
         return None, "test set size not known (no partition file read)"
+    if metric in _TEST_SPLIT:
+        if sizes.test_split is None:
+            return None, "test split size not known before the data is built"
+        return sizes.test_split, "whole test split"
     if metric in _GLOBAL:
         if sizes.global_set is None:
             return None, "global test set size not known before the data is built"
