@@ -23,8 +23,9 @@ is the figure to compare):
 So on the CPU batching is about even at mini (the run-to-run spread is as large as the gain) and 1.3-2.5x slower
 at larger shapes: the vmapped convolutions become grouped convolutions (per-client weights), slower on the CPU
 than the clients' plain ones, and the functional enqueue copies the 40 queues (1.3 GB at K = 65536) every step. ``client_batching: auto``
-therefore trains one by one on the CPU and together on CUDA (not measured here: no GPU was lent;
-benchmarks/bench_together.py measured 5.3x for the 40 ResNet-8 clients alone on an H100). A paper round on this CPU
+therefore trains one by one on the CPU, and on CUDA too until the batched round is measured faster there
+(``fedpft.BATCHED_FASTER_ON``, empty; benchmarks/bench_together.py measured 5.3x for the 40 ResNet-8 clients alone on
+an H100, not FedPFT's round). A paper round on this CPU
 one by one: ~76 s x 5 = 380 s of CPU, so 1,000 rounds ~4.4 days a run.
 """
 from __future__ import annotations
