@@ -274,6 +274,18 @@ def test_evaluated_rounds_are_the_first_every_kth_and_the_whole_report_window():
     assert [r for r in range(1, 61) if spec.evaluated(r)] == [1] + list(range(5, 51, 5)) + list(range(51, 61))
 
 
+def test_last_rounds_are_evaluated_beside_a_shorter_report_window():
+    """FedOTP stores its last 5 rounds (the official code's mean) while its tables read the final round."""
+    from fedcore.engine.loop import RunSpec
+
+    spec = RunSpec(identity={}, federation={"rounds": 30}, optimizer={},
+                   evaluation={"every": 10, "last_rounds": 5}, final_window=1)
+    assert [r for r in range(1, 31) if spec.evaluated(r)] == [1, 10, 20, 26, 27, 28, 29, 30]
+    wider = RunSpec(identity={}, federation={"rounds": 30}, optimizer={},
+                    evaluation={"every": 10, "last_rounds": 2}, final_window=4)
+    assert [r for r in range(1, 31) if wider.evaluated(r)] == [1, 10, 20, 27, 28, 29, 30]
+
+
 def test_checkpoint_fingerprint_covers_method_params():
     from fedcore.engine.loop import RunSpec
     base = dict(identity={"seed": 0}, federation={"rounds": 2}, optimizer={})

@@ -63,10 +63,11 @@ class RunSpec:
 
     def evaluated(self, round_idx: int) -> bool:
         """Whether round ``round_idx`` (1-indexed) is evaluated: round 1 (so every per-round curve starts at the
-        first round), every ``every``-th round and each round of the report window."""
+        first round), every ``every``-th round, each round of the report window and the ``last_rounds``."""
         rounds = int(self.federation["rounds"])
         every = int(self.evaluation.get("every", 1))
-        return round_idx == 1 or round_idx > rounds - self.final_window or round_idx % every == 0
+        last = max(self.final_window, int(self.evaluation.get("last_rounds", 0)))
+        return round_idx == 1 or round_idx > rounds - last or round_idx % every == 0
 
 
 @dataclass
