@@ -12,7 +12,8 @@ class CoOp(ClipPromptMethod):
     context (N(0, 0.02^2), the same draw on every client) with CE on CLIP's CLS cosine x logit scale, on its own
     data only; nothing is sent. Every client trains every round (no server, participation does not apply), so T
     rounds of R local epochs are T x R epochs ([R] spec §8.15: the code's 10 or 30 epochs are config accidents;
-    this gives CoOp the federated methods' local compute); each client is scored with its prompt on its own test
+    this is a federated client's local compute at full participation only: at Table A5's 10 % a FedOTP client
+    trains about a tenth of it); each client is scored with its prompt on its own test
     split in every evaluated round (the last for the tables, every round for Fig. A3's curve). Image tokens cached
     from the deterministic transform (clip_prompt.py)."""
 
