@@ -69,6 +69,42 @@ def test_the_head_joins_no_knapsack_group_unless_prune_head():
     assert any(select_blocks(scores, literal, 0.5, floor)[b] == 0 for b in head_blocks)
 
 
+def test_kept_blocks_weigh_their_unfloored_score_with_the_official_straight_through_gradient():
+    """Official ``seperate_trans 0``: a kept block's weight is its score t (not max(t, floor)) times 1 − g.detach() + g
+    with g = max(t, floor), so the gate's gradient is (1 + t)·∂t above the floor and ∂t below it."""
+    model = _method().model
+    n = len(model.table.sizes)
+    t = torch.full((n,), 0.6)
+    t[::3] = 0.05                                                    # below the floor (0.2)
+    t.requires_grad_()
+    w = model.select(t)
+    kept = w.detach() != 0
+    assert kept.any() and (~kept).any()
+    torch.testing.assert_close(w.detach()[kept], t.detach()[kept])  # the value is t, below the floor too
+    assert (t.detach()[kept] < model.floor).any()
+    w.sum().backward()
+    expected = torch.where(t.detach() > model.floor, 1 + t.detach(), torch.ones(n)) * kept
+    torch.testing.assert_close(t.grad, expected)
+    model.sparsity = 1.0                                             # s = 1: every block at t, no straight-through
+    torch.testing.assert_close(model.select(t).detach(), t.detach())
+
+
+def test_the_evaluation_gate_reads_the_clients_images_without_the_training_augmentation():
+    """The engine's evaluation data augments its training batches (the experiment's augment); the client-level gate
+    is scored on ``ClientData.plain``, the images as they are."""
+    method = _method()
+    model = method.model.eval()
+    server = method.strategy.init_state(1)
+    plain, noisy = _two_batches(), _two_batches()
+    shifted = [b._replace(x=b.x.flip(-1)) for b in noisy.batches()]   # an "augmented" pass
+    data = ClientData(0, 10, lambda: iter(shifted), noisy.generator, plain=plain.batches)
+    method.evaluator.load(model, 0, server, method.client.init_state(0), data)
+    with torch.no_grad():
+        expected = model.block_weights(torch.cat([b.x for b in plain.batches()]))
+        augmented = model.block_weights(torch.cat([b.x for b in shifted]))
+    assert torch.allclose(model.fixed_weights, expected) and not torch.allclose(model.fixed_weights, augmented)
+
+
 def _method(arch: str = "resnet8_pft_mini", **params) -> PFedGate:
     torch.manual_seed(0)
     return PFedGate(prompt_adapter(build_backbone(arch)), C, params)

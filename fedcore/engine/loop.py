@@ -259,7 +259,8 @@ def _client_data(c: int, r: int, seed: int, idx: torch.Tensor, train: DeviceSpli
     gen = torch.Generator(device="cpu").manual_seed(stream_seed(seed, r, c, stream))
     return ClientData(c, len(idx), lambda: iterate_batches(train, idx, settings.batch_size, pipeline, gen, augment,
                                                            min_batch), gen, settings,
-                      lambda x, name: pipeline.augment(x, name, gen), base_augment, pipeline)
+                      lambda x, name: pipeline.augment(x, name, gen), base_augment, pipeline,
+                      lambda: iterate_batches(train, idx, settings.batch_size, pipeline))
 
 
 def trains_batchnorm(model: torch.nn.Module) -> bool:

@@ -47,6 +47,9 @@ class ClientData:
     # the run's input pipeline behind ``augment`` (which draws from ``generator``): its draw/apply split lets clients
     # trained together make their views in one batched call; None outside a run
     pipeline: InputPipeline | None = None
+    # a pass over the client's images in order, without the training augmentation (what an evaluation-time score
+    # of the client's data reads, e.g. pFedGate's client-level gate); None outside a run
+    plain: Callable[[], Iterator[Batch]] | None = None
 
 
 @dataclass(frozen=True)

@@ -152,12 +152,20 @@ class GatedClassifier(WholeModelClassifier):
         self._sizes: dict[torch.device, list[Tensor]] = {}
 
     def block_weights(self, x: Tensor) -> Tensor:
-        """The kept, floored gating scores of a batch."""
+        """The block weights of a batch (:meth:`select` of its mean gating scores)."""
         return self.select(self.gate(x))
 
     def select(self, scores: Tensor) -> Tensor:
-        """Block weights from mean block scores: floored, then the knapsack's kept blocks."""
-        return select_blocks(scores.float().clamp(min=self.floor), self.table, self.sparsity, self.floor)
+        """Block weights from mean block scores t, as the official ``seperate_trans 0`` path: the knapsack ranks the
+        floored scores g = max(t, floor) and keeps blocks; a kept block's weight is t itself times the
+        straight-through factor 1 − g.detach() + g (value t, gate gradient (1 + t)·∂t above the floor), a dropped
+        block's 0; s = 1 keeps every block at t."""
+        t = scores.float()
+        if self.sparsity >= 1:
+            return t
+        g = t.clamp(min=self.floor)
+        kept = select_blocks(g, self.table, self.sparsity, self.floor) != 0  # g >= floor > 0: nonzero = kept
+        return t * kept.to(t.dtype) * (1 - g.detach() + g)
 
     def adapted(self, weights: Tensor) -> dict[str, Tensor]:
         """Each parameter times its blocks' weights."""
@@ -254,7 +262,7 @@ class ClientLevelGateEvaluator(Evaluator):
         try:
             # eval mode scores each image on its own, so the sum over batches gives the mean of one batch of all
             total, count = None, 0
-            for b in data.batches():
+            for b in (data.plain or data.batches)():  # the client's images without the training augmentation
                 s = model.gate.sample_scores(b.x).float().sum(0)
                 total, count = (s if total is None else total + s), count + len(b.x)
         finally:
@@ -272,10 +280,11 @@ class PFedGate(WholeModelMethod):
     Shared: the model θ (extractor with its BatchNorm statistics + linear head), averaged by sample count
     (FedAvg). Personal: a gating layer (SwitchNorm2d on the image, Linear(3·S², B), BatchNorm1d, sigmoid) that
     scores the B blocks of θ: every parameter tensor cut into ``block_split`` sub-blocks. A batch's block weights
-    are its mean scores, floored at min(max(1/split, 0.1), s), of the blocks a greedy 0-1 knapsack keeps within
-    the sparsity factor s = ``sparsity`` (values round(10·score), separately for linear-layer and other blocks;
-    each tensor's first sub-block always kept), 0 for the others; the model then runs with θ scaled block-wise
-    by them. Each batch's CE is backpropagated once; the gating layer (its own SGD, lr ``gate_lr`` (None: the
+    are its mean scores t on the blocks a greedy 0-1 knapsack keeps within the sparsity factor s = ``sparsity``
+    (ranked by the scores floored at min(max(1/split, 0.1), s), values round(10·score), separately for
+    linear-layer and other blocks; each tensor's first sub-block always kept), 0 for the others, with the
+    official straight-through factor (:meth:`GatedClassifier.select`); the model then runs with θ scaled
+    block-wise by them. Each batch's CE is backpropagated once; the gating layer (its own SGD, lr ``gate_lr`` (None: the
     experiment's), momentum 0.9, weight decay 5e-4, kept across rounds) and θ (the experiment's optimiser, fresh
     each round) each take a step after clipping their gradient norms at ``max_grad_norm``.
 
@@ -287,7 +296,8 @@ class PFedGate(WholeModelMethod):
 
     Simplified (and where the paper is silent):
     * Evaluation, after aggregation, scores client k with the global θ gated by one knapsack on its
-      client-level scores: its gating layer (eval mode) scores each of its training images, the mean score goes
+      client-level scores: its gating layer (eval mode) scores each of its training images (not augmented:
+      ``ClientData.plain``), the mean score goes
       through the knapsack once. The official CIFAR runs (``bi_level_opt 0``) gate each test batch by one
       knapsack on that batch's mean score, and at FedPFT's 100 test images per client (batch 128) a client's
       test set is one batch; our test batches pool every client's images, so the client's training images stand
