@@ -80,9 +80,10 @@ class FedHE(WholeModelMethod):
 
     Choices where the paper (not available here) and the spec are silent:
     * KD is KL(softmax(p̃_y/T) ‖ softmax(p/T)), mean over the batch, no T² factor, with T = 1 and γ = 1 by default.
-      The closest public code, HtFLlib's FD, adds λ · CE(p, softmax(p̃_y)) (λ = 1): at T = 1 this has exactly
-      our gradient (the two differ by the teacher's entropy, a constant). The spec's note that FD applies CE to
-      the raw global logits describes an older HtFLlib (a raw logit is no distribution): not followed.
+      The closest public code, HtFLlib's FD as of FedHPL's time (2024-04 to 2025-11), adds
+      λ · CE(p, softmax(p̃_y)) (λ = 1): at T = 1 this has exactly our gradient (the two differ by the teacher's
+      entropy, a constant). HtFLlib's newest FD (ca3e29a, 2025-11-29; the spec's note) applies CE to the raw
+      global logits (a raw logit is no distribution): not followed. Its first version (2023) used MSE.
     * A sample whose class has no global logit (round 1, or a class nobody uploaded this round) gets CE only
       (FD's fallback target, the sample's own detached softmax, also gives a zero KD gradient).
     * The uploaded logits come from one pass over the local train set after training, in eval mode (FedHPL's
