@@ -386,3 +386,24 @@ def test_evaluating_a_round_changes_no_other_number(tiny_run_files, tmp_path):
     each, sparse = run(1), run(3)
     assert evaluated(sparse) == [1, 3] and evaluated(each) == [1, 2, 3]
     pd.testing.assert_series_equal(each.loc[sparse.index], sparse)
+
+
+def test_plain_batches_give_every_client_sample_once_in_order_without_augmentation():
+    """Upload and counting passes (FedGH, FedTGP, FedHE, FedHPL, FedRoD, pFedGate's evaluation gate) read
+    ``ClientData.plain_batches``: a last batch of one sample, which training skips for BatchNorm, is kept there, and
+    the experiment's augmentation is not applied."""
+    from fedcore.engine.data import DeviceSplit, InputPipeline
+    from fedcore.engine.loop import _client_data
+    from fedcore.engine.optim import TrainSettings
+
+    g = torch.Generator().manual_seed(0)
+    split = DeviceSplit(torch.randint(0, 256, (40, 8, 8, 3), generator=g, dtype=torch.uint8), torch.arange(40) % 4)
+    idx = torch.arange(3, 20)                                        # 17 samples, batch 8: a last batch of one
+    pipe = InputPipeline(8, (0.5,) * 3, (0.25,) * 3)
+    data = _client_data(0, 1, 0, idx, split, pipe, TrainSettings(local_epochs=1, batch_size=8, optimizer={}),
+                        augment=("flip",), min_batch=2)
+    assert sum(len(b.y) for b in data.batches()) == 16
+    plain = list(data.plain_batches())
+    assert [len(b.y) for b in plain] == [8, 8, 1]
+    torch.testing.assert_close(torch.cat([b.x for b in plain]), pipe(split.x[idx]))
+    assert torch.equal(torch.cat([b.y for b in plain]), split.y[idx])

@@ -51,6 +51,11 @@ class ClientData:
     # of the client's data reads, e.g. pFedGate's client-level gate); None outside a run
     plain: Callable[[], Iterator[Batch]] | None = None
 
+    def plain_batches(self) -> Iterator[Batch]:
+        """Every image of the client once, in order, not augmented (``plain``); outside a run (``plain`` None), the
+        training batches."""
+        return (self.plain or self.batches)()
+
 
 @dataclass(frozen=True)
 class OptimizerSpec:

@@ -300,7 +300,7 @@ class PrototypeClient(Client):
         device = getattr(model, PROTOS).device
         sums, counts = torch.zeros(c, d, dtype=torch.float64, device=device), torch.zeros(c, device=device)
         try:
-            for b in data.batches():
+            for b in data.plain_batches():
                 with autocast_for(b.x):
                     feats = model.features(b.x)
                 sums.index_add_(0, b.y, feats.double())
@@ -424,7 +424,7 @@ class DistillClient(Client):
         was_training = model.training
         model.eval()
         try:
-            out = [(self.method.evaluator.predict(model, b), b.y) for b in data.batches()]
+            out = [(self.method.evaluator.predict(model, b), b.y) for b in data.plain_batches()]
         finally:
             model.train(was_training)
         return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])

@@ -86,7 +86,7 @@ class FedGHClient(GlobalHeadClient):
         model.eval()
         try:
             out = []
-            for b in data.batches():
+            for b in data.plain_batches():
                 with autocast_for(b.x):
                     out.append((model.features(b.x).float(), b.y))
         finally:

@@ -26,11 +26,11 @@ def balanced_softmax_loss(logits: Tensor, labels: Tensor, counts: Tensor) -> Ten
 
 @torch.no_grad()
 def label_counts(data: ClientData, num_classes: int) -> Tensor:
-    """Per-class counts (float) of one pass over the client's training batches; the pass draws from the client's
-    generator and then restores it, so training sees the very batches it would have seen without it."""
+    """Per-class counts (float) of every training sample of the client (``plain_batches``; outside a run the pass
+    draws from the client's generator, restored after it, so training sees the very batches it would have seen)."""
     saved = data.generator.get_state()
     try:
-        labels = [b.y for b in data.batches()]
+        labels = [b.y for b in data.plain_batches()]
     finally:
         data.generator.set_state(saved)
     return torch.bincount(torch.cat(labels), minlength=num_classes).float()

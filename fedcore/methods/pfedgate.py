@@ -262,7 +262,7 @@ class ClientLevelGateEvaluator(Evaluator):
         try:
             # eval mode scores each image on its own, so the sum over batches gives the mean of one batch of all
             total, count = None, 0
-            for b in (data.plain or data.batches)():  # the client's images without the training augmentation
+            for b in data.plain_batches():  # the client's images without the training augmentation
                 s = model.gate.sample_scores(b.x).float().sum(0)
                 total, count = (s if total is None else total + s), count + len(b.x)
         finally:
