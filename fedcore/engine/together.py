@@ -30,8 +30,9 @@ group's rows. Under autocast each BatchNorm normalises in its own (fp32) dtype: 
 raises on a bf16 input with fp32 running statistics (:func:`batchnorm_in_own_dtype`).
 
 Phases (:func:`train_phases_together`, reference :func:`phases_one_by_one`): a client update made of several
-kinds of step (FedPFT's feature and task phases) is one optimiser over streams of (phase, batch) steps; each
-:class:`Phase` names the tensors it trains and its loss. Clients are grouped per step also by phase and by how
+kinds of step (FedPFT's feature and task phases) is one optimiser (or a fresh one at each change of phase:
+``fresh_per_phase``) over streams of (phase, batch) steps; each :class:`Phase` names the tensors it trains and
+its loss. Clients are grouped per step also by phase and by how
 many steps each trained tensor has taken, so the optimiser's first step (SGD) and step count (Adam) are one
 number per group; per-tensor learning rates play torch's parameter groups. Method-owned per-client state
 outside the module (a MoCo queue and its pointer: ``carries``) is stacked like the module's tensors, handed to
