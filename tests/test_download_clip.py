@@ -133,7 +133,20 @@ def test_oxford_pets_and_flowers102_through_http(tmp_path, server):
     b = _build(tmp_path, "flowers102", _serve(www, base, "flowers102",
                                              {"102flowers.tgz": jpgs, "imagelabels.mat": mat.getvalue()}))
     assert len(b.meta["classes"]) == 102 and b.meta["classes"][0] == "pink primrose"
+    assert b.meta["classes"][59] == "pink-yellow dahlia" and b.meta["classes"][77] == "lotus lotus"  # CoOp's names
     assert np.bincount(b.train.y).tolist() == [5] * 3 and np.bincount(b.test.y).tolist() == [3] * 3
+
+
+def test_flowers102_names_are_coop_cat_to_name():
+    """CoOp's prompts name the flowers by cat_to_name.json; torchvision's list differs in labels 60 and 78."""
+    from fedcore.data.sources_clip import flowers102_classnames
+
+    names = flowers102_classnames()
+    # label (1-based) -> cat_to_name.json entry (CoOp's DATASETS.md file; FedOTP's oxford_flowers.py reads it)
+    coop = {1: "pink primrose", 41: "barbeton daisy", 59: "orange dahlia", 60: "pink-yellow dahlia",
+            77: "passion flower", 78: "lotus lotus", 79: "toad lily", 102: "blackberry lily"}
+    assert {k: names[k - 1] for k in coop} == coop
+    assert len(names) == 102 and not any("?" in n for n in names)
 
 
 def test_coop_split_file_wins_when_given(tmp_path):

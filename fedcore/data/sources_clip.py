@@ -6,8 +6,9 @@ to config/checksums.yaml as a manual file with its digest pinned), else a seeded
 files, per class: shuffle, round(0.5 n) train, round(0.2 n) val (dropped), the rest test (``read_and_split_data``;
 OxfordPets: the official test list, and round(0.2 n) of each class of trainval held out as val). The seeded split
 has CoOp's sizes (Table A1, tested) but not its images. Class names are CoOp's: Caltech101 drops
-``BACKGROUND_Google`` and ``Faces_easy`` and renames airplanes/Faces/Leopards/Motorbikes; Flowers102 takes the
-names torchvision records (CoOp's cat_to_name.json); OxfordPets the breed in the file name.
+``BACKGROUND_Google`` and ``Faces_easy`` and renames airplanes/Faces/Leopards/Motorbikes; Flowers102 those of
+CoOp's cat_to_name.json (torchvision's list with its two differences undone, FLOWERS_COOP_NAMES); OxfordPets the breed
+in the file name.
 
 Images are stored as CLIP's test transform sees them: shorter side resized to 224 (bicubic), centre crop 224.
 """
@@ -30,6 +31,9 @@ P_TRAIN, P_VAL = 0.5, 0.2  # CoOp's read_and_split_data / split_trainval proport
 
 CALTECH_IGNORED = ("BACKGROUND_Google", "Faces_easy")
 CALTECH_RENAMES = {"airplanes": "airplane", "Faces": "face", "Leopards": "leopard", "Motorbikes": "motorbike"}
+# torchvision's Flowers102.classes (0.29.1) is cat_to_name.json except two names: label 60 "pink-yellow dahlia?" and
+# label 78 "lotus"; CoOp (and FedOTP's oxford_flowers.py) read cat_to_name.json: "pink-yellow dahlia", "lotus lotus"
+FLOWERS_COOP_NAMES = {"pink-yellow dahlia?": "pink-yellow dahlia", "lotus": "lotus lotus"}
 SPLIT_FILES = {"caltech101": "split_zhou_Caltech101.json", "flowers102": "split_zhou_OxfordFlowers.json",
                "oxford_pets": "split_zhou_OxfordPets.json", "dtd": "split_zhou_DescribableTextures.json"}
 
@@ -55,6 +59,16 @@ def coop_class_split(items: dict[int, list], rng: np.random.Generator) -> tuple[
         train += [(m, label) for m in members[:n_train]]
         test += [(m, label) for m in members[n_train + n_val:]]
     return train, test
+
+
+def flowers102_classnames() -> list[str]:
+    """The 102 flower names in label order, as CoOp's cat_to_name.json spells them (its prompts use these)."""
+    from torchvision.datasets import Flowers102
+
+    names = [FLOWERS_COOP_NAMES.get(n, n) for n in Flowers102.classes]
+    if len(names) != 102 or len(set(names)) != 102 or any(n not in names for n in FLOWERS_COOP_NAMES.values()):
+        raise ValueError("torchvision's Flowers102.classes changed: check the names against CoOp's cat_to_name.json")
+    return names
 
 
 def _bundle(train: list, test: list, classes: list[str], source: str, split: str, size: int) -> DatasetBundle:
@@ -152,7 +166,6 @@ def dtd(inputs: list[Path], size: int | None = None) -> DatasetBundle:
 def flowers102(inputs: list[Path], size: int | None = None) -> DatasetBundle:
     """Oxford Flowers102 (102flowers.tgz + imagelabels.mat), 102 classes named as CoOp's cat_to_name.json."""
     from scipy.io import loadmat
-    from torchvision.datasets import Flowers102
 
     size = size or CLIP_SIZE
     labels = np.asarray(loadmat(str(_find(inputs, "imagelabels.mat", "flowers102")))["labels"]).ravel()
@@ -165,7 +178,7 @@ def flowers102(inputs: list[Path], size: int | None = None) -> DatasetBundle:
     for i, lab in enumerate(labels):
         items.setdefault(int(lab) - 1, []).append(image_dir / f"image_{i + 1:05d}.jpg")
     train, test = coop_class_split(items, np.random.default_rng(SPLIT_SEED))
-    return _bundle(train, test, list(Flowers102.classes), "Oxford Flowers102 (102flowers.tgz, imagelabels.mat)",
+    return _bundle(train, test, flowers102_classnames(), "Oxford Flowers102 (102flowers.tgz, imagelabels.mat)",
                    _seeded_note(), size)
 
 

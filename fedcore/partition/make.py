@@ -67,8 +67,8 @@ def make_partition(
         train = keep_share(train, train_y, spec["keep_fraction"], rng)
     extra: dict[str, Any] = {}
     if spec.get("bug_compat_office_labels"):  # the indices above stay the correct partition; only images move
-        extra["train_images"] = office_label_images(train, labels.train_domain)
-        extra["test_images"] = office_label_images(test, labels.test_domain)
+        extra["train_images"] = office_label_images(train, labels.train_domain, rng)
+        extra["test_images"] = office_label_images(test, labels.test_domain, rng)
     if spec.get("bug_compat_classname_order"):
         n = int(max(train_y.max(initial=-1), test_y.max(initial=-1))) + 1
         extra["class_order"] = classname_order(n, seed)

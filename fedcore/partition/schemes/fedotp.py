@@ -209,12 +209,17 @@ def domain_dirichlet(alpha: float, min_size: int, k: int, train_y: np.ndarray, t
     return train, test
 
 
-def office_label_images(indices: list[np.ndarray], domain: np.ndarray) -> list[np.ndarray]:
+def office_label_images(indices: list[np.ndarray], domain: np.ndarray,
+                        rng: np.random.Generator) -> list[np.ndarray]:
     """bug_compat_office_labels: the image indices the code pairs with each client's labels.
 
     OfficeDataset_sub subsets `target` by the partition but not `paths`, so client i's n-th sample is the n-th
     image of its domain (in the domain's file order, which the bundle keeps) with the label of its n-th
-    partition index. A client's indices must all lie in one domain.
+    partition index. The code's index list is shuffled (`np.random.shuffle(idx_batch_train[j])` in
+    Dataset_partition_office), so which of those first n images meets which label is random; our index lists
+    are sorted, so the same first n images are returned in a random order (pairing them with the sorted indices
+    would match the k-th smallest index with the k-th image, and in a pickle listed class by class many labels
+    would then be right by construction). A client's indices must all lie in one domain.
     """
     out = []
     for i, idx in enumerate(indices):
@@ -225,5 +230,5 @@ def office_label_images(indices: list[np.ndarray], domain: np.ndarray) -> list[n
         if len(idx) == 0:
             out.append(np.zeros(0, dtype=np.int64))
             continue
-        out.append(np.flatnonzero(domain == doms[0])[: len(idx)].astype(np.int64))
+        out.append(rng.permutation(np.flatnonzero(domain == doms[0])[: len(idx)]).astype(np.int64))
     return out
