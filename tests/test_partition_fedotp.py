@@ -153,6 +153,26 @@ def test_domain_dirichlet_three_clients_per_domain_same_proportions():
                 assert np.abs(ntr / ntr.sum() - nte / nte.sum()).max() < 0.15
 
 
+def test_domain_dirichlet_masks_clients_past_their_share_and_keeps_min_size_in_test_too():
+    """The code's balance mask (Dataset_partition_office): once a client holds its share N_train / k of the domain's
+    train samples it gets nothing of the later classes; every client has min_size train and test samples."""
+    from fedcore.partition.schemes.fedotp import domain_dirichlet
+
+    y = np.repeat(np.arange(10), 30)                               # one domain, 10 classes of 30
+    dom = np.zeros(len(y), dtype=int)
+    ty = np.repeat(np.arange(10), 6)
+    tdom = np.zeros(len(ty), dtype=int)
+    for seed in range(5):
+        tr, te = domain_dirichlet(0.1, 2, 3, y, ty, dom, tdom, np.random.default_rng(seed))
+        assert min(map(len, tr + te)) >= 2
+        # replay the class order: a client already past 100 = 300 / 3 never gets a later class
+        held = np.zeros(3)
+        for c in range(10):
+            got = np.array([np.sum(y[t] == c) for t in tr])
+            assert not np.any((held >= 100) & (got > 0)), (seed, c)
+            held += got
+
+
 def test_domain_without_alpha_is_unchanged_and_rejects_alpha_only_keys():
     assert validate_spec({"scheme": "domain"}) == {"scheme": "domain", "clients_per_domain": 1,
                                                   "train_fraction_of_min": None, "equal_test_size": False,

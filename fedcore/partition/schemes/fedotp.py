@@ -182,28 +182,32 @@ def domain_dirichlet(alpha: float, min_size: int, k: int, train_y: np.ndarray, t
                      train_domain: np.ndarray, test_domain: np.ndarray, rng: np.random.Generator,
                      max_tries: int = 100):
     """§3.2d: k clients per domain; per (domain, class), p ~ Dir(alpha 1_k) cuts the shuffled train and test
-    pools alike; a domain is redrawn until each of its clients has >= min_size train samples (the code's seed
-    reset inside that loop would redraw the same split forever, official_code.md B4). Client order = domain
-    order, then client within the domain."""
+    pools alike, with the code's balance mask (``Dataset_partition_office``: a client already holding at least
+    its share N_train / k of the domain's train samples gets no more); a domain is redrawn until each of its
+    clients has >= min_size train and test samples (the code's seed reset inside that loop would redraw the same
+    split forever, official_code.md B4). Client order = domain order, then client within the domain."""
     train, test = [], []
     for d in np.unique(train_domain):
+        share = np.count_nonzero(train_domain == d) / k
         for _ in range(max_tries):
             tr_parts: list[list[np.ndarray]] = [[] for _ in range(k)]
             te_parts: list[list[np.ndarray]] = [[] for _ in range(k)]
             for c in np.unique(train_y[train_domain == d]):
                 p = rng.dirichlet(np.full(k, alpha))
+                p = p * (np.array([sum(len(x) for x in parts) for parts in tr_parts]) < share)
+                p = p / p.sum()
                 tr_pool = rng.permutation(np.flatnonzero((train_domain == d) & (train_y == c)))
                 te_pool = rng.permutation(np.flatnonzero((test_domain == d) & (test_y == c)))
                 for parts, pool in ((tr_parts, tr_pool), (te_parts, te_pool)):
                     for i, piece in enumerate(cumulative_cut(pool, p)):
                         parts[i].append(piece)
             tr, te = gather(tr_parts), gather(te_parts)
-            if min(len(t) for t in tr) >= min_size:
+            if min(len(t) for t in tr + te) >= min_size:
                 break
         else:
             raise ValueError(f"domain partition with alpha={alpha}: after {max_tries} draws a client of domain "
-                             f"{int(d)} still has fewer than min_size={min_size} train samples; raise alpha or "
-                             f"lower min_size")
+                             f"{int(d)} still has fewer than min_size={min_size} train or test samples; raise "
+                             f"alpha or lower min_size")
         train += [np.sort(t) for t in tr]
         test += [np.sort(t) for t in te]
     return train, test
