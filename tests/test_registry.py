@@ -159,6 +159,23 @@ def test_torchvision_weight_file(tmp_path) -> None:
         build_backbone("resnet34", tmp_path / "nope.pth")
 
 
+def test_torchvision_file_without_batch_counters(tmp_path) -> None:
+    """torchvision's model-zoo ResNet files predate BatchNorm's num_batches_tracked (PyTorch 0.4.1); torch's own
+    strict load fills the counters in, and so must ours: every other tensor is still required."""
+    torch.manual_seed(0)
+    model = build_backbone("resnet18").eval()
+    sd = {k: v for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
+    torch.save({**sd, "fc.weight": torch.zeros(1000, 512), "fc.bias": torch.zeros(1000)}, tmp_path / "zoo.pth")
+    loaded = build_backbone("resnet18", tmp_path / "zoo.pth").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), atol=0, rtol=0)
+    del sd["layer4.1.bn2.running_var"]
+    torch.save(sd, tmp_path / "short.pth")
+    with pytest.raises(WeightFileError, match=r"1 backbone tensors missing .*layer4\.1\.bn2\.running_var"):
+        build_backbone("resnet18", tmp_path / "short.pth")
+
+
 def test_fedcore_weight_file_is_strict(tmp_path) -> None:
     torch.manual_seed(0)
     sd = build_backbone("resnet_mini_34").state_dict()

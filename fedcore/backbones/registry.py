@@ -405,7 +405,10 @@ def _load_strict(model: nn.Module, path: Path, arch: str, cfg: PretrainedCfg,
     if drop_prefix:
         sd = {k: v for k, v in sd.items() if not k.startswith(drop_prefix)}
     own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+    # BatchNorm's batch counters (PyTorch >= 0.4.1) are absent from older files such as torchvision's model-zoo
+    # ResNets; torch's strict load fills them in (0), and with momentum set they are never read
+    missing = sorted(k for k in set(own) - set(sd) if not k.endswith(".num_batches_tracked"))
+    unexpected = sorted(set(sd) - set(own))
     if missing or unexpected:
         raise WeightFileError(
             f"{path} is not a {arch} state dict: {len(missing)} backbone tensors missing (e.g. {missing[:5]}), "
