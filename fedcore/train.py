@@ -12,7 +12,7 @@ import torch
 from fedcore.artifacts import load_artifact
 from fedcore.backbones.clip import clip_classnames
 from fedcore.backbones.prompted import attention_backend
-from fedcore.backbones.registry import build_backbone, prompt_adapter
+from fedcore.backbones.registry import build_backbone, prompt_adapter, split_tag
 from fedcore.backbones.standin import standin_note
 from fedcore.backbones.vit import backbone_info
 from fedcore.data.arrays import ArrayDataset, load_bundle
@@ -187,7 +187,7 @@ def build_run(params: dict[str, Any], identity: dict[str, Any], archs: str | lis
     # pretraining head and leak its training into the run.
     seed_everything(stream_seed(seed, 0, 0, 0x1A17))
     # "arch" or "arch.tag" (config/backbones.yaml's weight tag: the input contract of the weights)
-    nets = [build_backbone(a.partition(".")[0], w, a.partition(".")[2] or None, input_size=input_size, sha256=d)
+    nets = [build_backbone(split_tag(a)[0], w, split_tag(a)[1], input_size=input_size, sha256=d)
             for a, w, d in zip(archs, weights, digests, strict=True)]
     loaded = weight_records(archs, weights)
     infos = [backbone_info(n) for n in nets]

@@ -12,7 +12,7 @@ rule features:
     output:
         f"{RESULTS}/features/{{backbone}}/{{dataset}}/{{artifact}}.npz",
     params:
-        arch=lambda wc: CFG.backbones[wc.backbone]["arch"],
+        arch=lambda wc: arch_tag(CFG, wc.backbone),  # with its weight tag: the weights' input contract
         device=CFG.top["device"],
         threads=CFG.top["threads_per_run"],
     log:

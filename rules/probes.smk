@@ -66,7 +66,7 @@ rule tsne_embedding:
         f"{RESULTS}/probes/{{name}}/tsne.npz",
     params:
         figure=lambda wc: _probe_cfg(wc.name, "tsne"),
-        arch=lambda wc: CFG.backbones[CFG.experiments[_probe_cfg(wc.name, "tsne")["experiment"]]["backbone"]]["arch"],
+        arch=lambda wc: arch_tag(CFG, CFG.experiments[_probe_cfg(wc.name, "tsne")["experiment"]]["backbone"]),
         device=CFG.top["device"],
         threads=CFG.top["threads_per_run"],
     log:

@@ -21,6 +21,7 @@ from fedcore.backbones.registry import (
     input_cfg,
     model_facts,
     prompt_adapter,
+    split_tag,
 )
 from fedcore.backbones.resnet import PromptedResNet
 from fedcore.backbones.vit import ARCHS, backbone_info, build_vit
@@ -124,6 +125,16 @@ def test_tag_sets_the_input_contract() -> None:
                                     family="resnet")
     with pytest.raises(ValueError, match="not a ViT"):
         build_vit("resnet_mini_18")
+
+
+def test_artifact_and_probe_builders_take_the_weight_tag(scratch_registry) -> None:
+    """Features and t-SNE jobs get 'arch.tag' (plan.arch_tag), as training does: a non-default tag's input contract
+    (here other mean/std, like MAE's ImageNet statistics against the arch's 0.5) reaches the built ViT."""
+    PRETRAINED_CFGS["vit_mini.imagenet_like"] = PretrainedCfg(16, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    assert split_tag("vit_mini.imagenet_like") == ("vit_mini", "imagenet_like")
+    assert split_tag("vit_mini") == ("vit_mini", None)
+    tagged, plain = backbone_info(build_vit("vit_mini.imagenet_like")), backbone_info(build_vit("vit_mini"))
+    assert tagged["mean"] == (0.485, 0.456, 0.406) and plain["mean"] == (0.5,) * 3
 
 
 def test_vit_tag_size_must_fit(scratch_registry) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from fedcore.analysis.probe_files import TRANSPORT_FORMAT
 from fedcore.backbones.clip import clip_classnames
-from fedcore.backbones.registry import build_backbone, prompt_adapter
+from fedcore.backbones.registry import build_backbone, prompt_adapter, split_tag
 from fedcore.backbones.vit import backbone_info
 from fedcore.data.arrays import load_bundle
 from fedcore.engine.data import InputPipeline
@@ -104,7 +104,8 @@ def compute_transport_plans(dataset_path: str | os.PathLike, partition_path: str
     picks = pick_images(part.test, bundle.test.y, clients, int(fig_cfg.get("per_client", 1)))
     cids = [c for c, _ in picks]
     idx = np.asarray([i for _, i in picks], dtype=np.int64)
-    net = build_backbone(arch.partition(".")[0], weights, arch.partition(".")[2] or None)
+    name, tag = split_tag(arch)
+    net = build_backbone(name, weights, tag)
     info = backbone_info(net)
     clip = prompt_adapter(net).to(dev)
     pipeline = InputPipeline(info["img_size"], info["mean"], info["std"])

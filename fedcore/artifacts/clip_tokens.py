@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fedcore.backbones.clip import PromptedCLIP
-from fedcore.backbones.registry import build_backbone, prompt_adapter
+from fedcore.backbones.registry import build_backbone, prompt_adapter, split_tag
 from fedcore.backbones.vit import backbone_info
 from fedcore.data.arrays import load_bundle
 from fedcore.engine.data import DeviceSplit, InputPipeline
@@ -54,7 +54,8 @@ def compute_clip_tokens(dataset_path: str | Path, arch: str, weights: str | Path
     dev = pick_device(device)
     # no TF32 inside CUDA kernels either (cuDNN's default for the patch-embedding convolution), as the Select queries
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    model = build_backbone(arch, weights)
+    name, tag = split_tag(arch)
+    model = build_backbone(name, weights, tag)
     info = backbone_info(model)
     clip = prompt_adapter(model)
     if not isinstance(clip, PromptedCLIP):

@@ -248,6 +248,13 @@ def arch_spec(arch: str) -> ArchSpec:
     return ARCH_SPECS[arch]
 
 
+def split_tag(name: str) -> tuple[str, str | None]:
+    """('arch', 'tag') of an 'arch.tag' name (a backbone's arch with its config/backbones.yaml weight tag, as
+    plan.arch_tag writes it); ('arch', None) of a bare arch, whose default tag applies."""
+    arch, _, tag = name.partition(".")
+    return arch, tag or None
+
+
 def arch_tags(arch: str) -> list[str]:
     """The weight tags registered for `arch`."""
     return [k.split(".", 1)[1] for k in PRETRAINED_CFGS if k.split(".", 1)[0] == arch]

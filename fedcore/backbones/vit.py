@@ -18,6 +18,7 @@ from fedcore.backbones.registry import (
     model_facts,
     model_family,
     register_arch,
+    split_tag,
 )
 
 _IN21K = IN21K_NORM
@@ -68,11 +69,13 @@ ARCHS: MutableMapping[str, dict] = _VitArchs()
 
 
 def build_vit(arch: str, weights: str | Path | None = None) -> nn.Module:
-    """Build a headless (num_classes=0) ViT for `arch`, loading `weights` from a local file; never downloads."""
-    family = arch_spec(arch).family
+    """Build a headless (num_classes=0) ViT for `arch` ('arch' or 'arch.tag'), loading `weights` from a local
+    file; never downloads."""
+    name, tag = split_tag(arch)
+    family = arch_spec(name).family
     if family != "vit":
         raise ValueError(f"arch {arch!r} is a {family} backbone, not a ViT: use registry.build_backbone")
-    return build_backbone(arch, weights)
+    return build_backbone(name, weights, tag)
 
 
 def backbone_info(model: nn.Module) -> dict:
