@@ -357,3 +357,16 @@ def test_a_missing_learning_rate_is_an_error_not_a_default(tmp_path):
     root = _edit_experiments(tmp_path, lambda d: d["experiments"]["sgpt_five"]["optimizer"].pop("lr"))
     with pytest.raises(ConfigError, match=r"experiment sgpt_five: optimizer is missing \['lr'\]"):
         load_config(DEFAULT, root)
+
+
+@pytest.mark.parametrize("scale", ["mini", "paper", "smoke"])
+def test_every_configured_run_is_read_by_some_table_or_figure(scale):
+    """A run no output reads costs compute and shows nowhere (FedHPL's hpl_bs32 and the CIFAR-100/SVHN Local runs
+    were such runs): every (experiment, method) a scale configures is read by some table, figure or probe."""
+    from fedcore.selection import output_runs
+
+    cfg = load_config({**DEFAULT_FILE, "scale": scale, "outputs": "all"}, ROOT)    # all four papers
+    configured = {(e, m) for e, x in cfg.experiments.items() for m in x["methods"]}
+    read = set().union(*[output_runs(n, cfg.tables, cfg.figures, cfg.experiments)
+                         for n in list(cfg.tables) + list(cfg.figures)])
+    assert configured and sorted(configured - read) == []
