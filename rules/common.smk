@@ -3,7 +3,7 @@ import fedcore
 from fedcore.code_inputs import code_files
 from fedcore.data.registry import is_generated
 from fedcore.methods import method_module
-from fedcore.plan import arch_tag, experiment_backbones, method_artifacts, plan_run
+from fedcore.plan import arch_tag, experiment_backbones, method_artifacts, plan_run, weights_sha256
 
 SCALE = CFG.scale
 

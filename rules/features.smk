@@ -13,6 +13,7 @@ rule features:
         f"{RESULTS}/features/{{backbone}}/{{dataset}}/{{artifact}}.npz",
     params:
         arch=lambda wc: arch_tag(CFG, wc.backbone),  # with its weight tag: the weights' input contract
+        sha256=lambda wc: weights_sha256(CFG, wc.backbone),  # checked before any work
         device=CFG.top["device"],
         threads=CFG.top["threads_per_run"],
     log:

@@ -67,6 +67,7 @@ rule tsne_embedding:
     params:
         figure=lambda wc: _probe_cfg(wc.name, "tsne"),
         arch=lambda wc: arch_tag(CFG, CFG.experiments[_probe_cfg(wc.name, "tsne")["experiment"]]["backbone"]),
+        sha256=lambda wc: weights_sha256(CFG, CFG.experiments[_probe_cfg(wc.name, "tsne")["experiment"]]["backbone"]),
         device=CFG.top["device"],
         threads=CFG.top["threads_per_run"],
     log:

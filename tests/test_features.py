@@ -75,3 +75,20 @@ def test_features_file_names_its_dataset_relative_to_the_working_directory(tmp_p
         assert read_select_queries(out)[2]["dataset"] == "results/data/digits.npz"
         files.append(out.read_bytes())
     assert files[0] == files[1]
+
+
+def test_feature_and_tsne_jobs_check_the_weight_file_before_any_work(tmp_path):
+    """A weight file whose sha256 is not the pinned one (or is unpinned) is refused before the dataset is read."""
+    from fedcore.analysis.tsne import compute_tsne
+    from fedcore.artifacts import build_artifact
+    from fedcore.backbones.registry import UNPINNED, WeightFileError
+
+    torch.save(build_vit("vit_mini").state_dict(), tmp_path / "vit.pt")
+    missing = tmp_path / "no_such_dataset.npz"                    # reading it would fail differently
+    for sha in ("0" * 64, UNPINNED):
+        with pytest.raises(WeightFileError, match="sha256"):
+            build_artifact("cls_block2", missing, "vit_mini", tmp_path / "vit.pt", tmp_path / "q.npz",
+                           sha256=sha)
+        with pytest.raises(WeightFileError, match="sha256"):
+            compute_tsne(missing, "vit_mini", tmp_path / "vit.pt", {}, tmp_path / "t.npz", sha256=sha)
+    assert not (tmp_path / "q.npz").exists() and not (tmp_path / "t.npz").exists()

@@ -17,6 +17,7 @@ import numpy as np
 from fedcore.analysis.probe_files import TSNE_FORMAT
 from fedcore.artifacts.select_queries import layer_features
 from fedcore.backbones.prompted import PromptedViT, attention_backend
+from fedcore.backbones.registry import check_sha256
 from fedcore.backbones.vit import backbone_info, build_vit
 from fedcore.data.arrays import load_bundle
 from fedcore.engine.data import DeviceSplit, InputPipeline
@@ -47,10 +48,14 @@ def tsne_embedding(features: np.ndarray, perplexity: float, seed: int) -> np.nda
 
 
 def compute_tsne(dataset_path: str | os.PathLike, arch: str, weights: str | os.PathLike | None, fig_cfg: dict[str, Any],
-                 out_path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> None:
-    """Features of a class-balanced subsample after each configured block, embedded by t-SNE, saved as .npz."""
+                 out_path: str | os.PathLike, device: str = "auto", threads: int | None = None,
+                 sha256: str | None = None) -> None:
+    """Features of a class-balanced subsample after each configured block, embedded by t-SNE, saved as .npz; the
+    weight file is checked against ``sha256`` (registry.check_sha256) before any work."""
     import torch
 
+    if weights is not None:
+        check_sha256(Path(weights), arch, sha256)
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)

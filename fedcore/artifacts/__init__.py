@@ -57,9 +57,15 @@ def _kind_code(key: str) -> tuple[ModuleType, tuple[int, ...]]:
 
 
 def build_artifact(key: str, dataset_path: str | Path, arch: str, weights: str | Path | None,
-                   out_path: str | Path, device: str = "auto", threads: int | None = None) -> None:
-    """Compute artifact ``key`` for both splits of a dataset and write it atomically."""
+                   out_path: str | Path, device: str = "auto", threads: int | None = None,
+                   sha256: str | None = None) -> None:
+    """Compute artifact ``key`` for both splits of a dataset and write it atomically; the weight file is checked
+    against ``sha256`` (registry.check_sha256) before any work."""
+    from fedcore.backbones.registry import check_sha256  # the kinds' modules import the backbones anyway
+
     module, args = _kind_code(key)
+    if weights is not None:
+        check_sha256(Path(weights), arch, sha256)
     module.build(args, dataset_path, arch, weights, out_path, device, threads)
 
 

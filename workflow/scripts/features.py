@@ -12,4 +12,4 @@ from fedcore.artifacts import build_artifact  # noqa: E402
 
 p = snakemake.params
 build_artifact(snakemake.wildcards.artifact, snakemake.input.dataset, p.arch, snakemake.input.backbone,
-               snakemake.output[0], device=p.device, threads=p.threads)
+               snakemake.output[0], device=p.device, threads=p.threads, sha256=p.sha256)

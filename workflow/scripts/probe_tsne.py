@@ -12,4 +12,4 @@ from fedcore.analysis.tsne import compute_tsne  # noqa: E402
 
 p = snakemake.params
 compute_tsne(snakemake.input.dataset, p.arch, snakemake.input.backbone, p.figure, snakemake.output[0], device=p.device,
-             threads=p.threads)
+             threads=p.threads, sha256=p.sha256)
