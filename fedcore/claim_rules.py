@@ -447,7 +447,7 @@ def evaluate(claim: dict, frame: pd.DataFrame, decimals: int = 2, use_paper: boo
     if not v.numbers:
         return Verdict(MISSING if not use_paper else NO_PAPER_NUMBERS, "no cell to compare", [])
     if use_paper and v.verdict == MISSING:
-        n = sum(not isinstance(x, float) for x in dict.fromkeys(v.numbers))
+        n = sum(not isinstance(value, float) for _, _, value in dict.fromkeys(v.numbers))
         return Verdict(NO_PAPER_NUMBERS, f"the paper prints no number for {n} of the {len(set(v.numbers))} cells",
                        v.numbers)
     return v

@@ -74,6 +74,10 @@ def test_verdict_reports_the_numbers_and_missing_cells_and_the_paper_check():
     assert evaluate({"predicate": "best_in_column", "row": "a"}, T, use_paper=True).verdict == FAILS
     no_paper = T.assign(paper=math.nan)
     assert evaluate({"predicate": "best_in_column", "row": "a"}, no_paper, use_paper=True).verdict == NO_PAPER_NUMBERS
+    # the count names only the cells without a paper number (c's x here), not every cell read
+    one_gap = T.assign(paper=[math.nan if (r, c) == ("c", "x") else p for r, c, p in zip(T["row"], T["column"], T["paper"])])
+    v = evaluate({"predicate": "best_in_column", "row": "a", "columns": ["x"]}, one_gap, use_paper=True)
+    assert v.verdict == NO_PAPER_NUMBERS and "no number for 1 of the 3 cells" in v.detail, v.detail
     # as shown: 70.004 and 70.001 are equal at 2 decimals, so not strictly increasing
     shown = grid({"p": [70.001], "q": [70.004]}, ["x"])
     assert evaluate({"predicate": "monotone", "along": "rows", "direction": "increasing"}, shown).verdict == FAILS
