@@ -344,7 +344,8 @@ def greater(g: Grid, c: dict) -> Verdict:
         va, vb = g.get(a, ca), g.get(b, cb)
         if va is None or vb is None:
             continue
-        holds = va - vb > margin
+        # the gap as shown: two rounded numbers' float difference can land just past the margin (64.01 - 57.01)
+        holds = round(va - vb, g.decimals) > margin
         results.append(holds)
         if not holds:
             where = ca if ca == cb else f"{g.cells[(a, ca)][0]}: {ca} vs {cb}"
@@ -369,7 +370,7 @@ def within(g: Grid, c: dict) -> Verdict:
             vb = g.get(b, col) if g.has(b, col) else None
         if va is None or vb is None:
             continue
-        if abs(va - vb) > tol:
+        if round(abs(va - vb), g.decimals) > tol:   # the gap as shown (see greater)
             ok = False
             notes.append(f"{col}: |{_fmt(va, g.decimals)} − {_fmt(vb, g.decimals)}| > {tol:g}")
     return g.verdict(ok, "; ".join(notes))

@@ -66,6 +66,22 @@ def test_predicates_on_a_tiny_table(claim, verdict):
     assert v.numbers   # the numbers behind the verdict are reported
 
 
+@pytest.mark.parametrize("claim, verdict", [
+    # shown gap exactly 7.00: 64.01 - 57.01 is 7.000000000000007 in floats; within holds at |gap| <= tol
+    ({"predicate": "within", "row": "a", "than": "b", "tol": 7.0}, HOLDS),
+    # shown gap exactly the margin: greater needs more than the margin
+    ({"predicate": "greater", "row": "b", "than": "a", "margin": 7.0}, FAILS),
+    ({"predicate": "greater", "row": "d", "than": "c", "margin": 1.0}, FAILS),    # 2.14 - 1.14 = 1.0000000000000002
+    ({"predicate": "within", "row": "c", "value": 2.14, "tol": 1.0}, HOLDS),
+])
+def test_tolerance_and_margin_compare_the_shown_gap(claim, verdict):
+    """The verdicts compare numbers as shown: a gap shown as exactly the tolerance (or margin) is at it, not past
+    it, whatever the float subtraction of the two rounded numbers gives."""
+    t = grid({"a": [57.01], "b": [64.01], "c": [1.14], "d": [2.14]}, ["x"])
+    v = evaluate(claim, t)
+    assert v.verdict == verdict, v.detail
+
+
 def test_verdict_reports_the_numbers_and_missing_cells_and_the_paper_check():
     v = evaluate({"predicate": "best_in_column", "row": "a", "columns": ["x", "z"]}, T)
     assert "missing run: C [z]" in v.detail and "A [x] = 80.00" in v.numbers_text()
