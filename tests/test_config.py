@@ -370,3 +370,16 @@ def test_every_configured_run_is_read_by_some_table_or_figure(scale):
     read = set().union(*[output_runs(n, cfg.tables, cfg.figures, cfg.experiments)
                          for n in list(cfg.tables) + list(cfg.figures)])
     assert configured and sorted(configured - read) == []
+
+
+def test_a_best_window_needs_every_round_evaluated(tmp_path):
+    """FedPFT reports its best round: with evaluation every 5th round the 'best' would be the best of a fifth."""
+    root = _copy_config(tmp_path)
+    path = root / "config" / "experiments" / "sgpt.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["experiments"]["sgpt_c100_s10"]["report"] = {"window": "best"}
+    doc["experiments"]["sgpt_c100_s10"]["evaluation"] = {**doc["experiments"]["sgpt_c100_s10"].get("evaluation", {}),
+                                                         "every": 5}
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"sgpt_c100_s10: report.window 'best' needs every round evaluated"):
+        load_config(DEFAULT, root)

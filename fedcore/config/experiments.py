@@ -170,4 +170,9 @@ def resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_file
     if window["window"] == "last" and window.get("rounds", 1) > out["federation"]["rounds"]:
         raise ConfigError(f"experiment {name}: report.rounds={window['rounds']} exceeds federation.rounds="
                           f"{out['federation']['rounds']}")
+    every = int(out.get("evaluation", {}).get("every", 1))
+    if window["window"] == "best" and every != 1:
+        # the best round must be chosen among all rounds, not among the evaluated ones only
+        raise ConfigError(f"experiment {name}: report.window 'best' needs every round evaluated, but "
+                          f"evaluation.every={every} after applying {scale_file}; set evaluation: {{every: 1}}")
     return out
