@@ -25,6 +25,15 @@ def test_weighted_average_matches_hand_arithmetic():
     assert set(only_w) == {"w"} and torch.allclose(only_w["w"], torch.tensor([2.0, 4.0]))
 
 
+def test_weighted_average_rounds_integer_buffers_instead_of_truncating():
+    """BatchNorm's num_batches_tracked (int64) of clients that all took 7 steps averages to 7, not to 6: the float64
+    sum 1/3 * 7 + 2/3 * 7 is 6.999..., which a plain cast truncated."""
+    states = [{"n": torch.tensor(7), "w": torch.tensor([1.0])}, {"n": torch.tensor(7), "w": torch.tensor([1.0])}]
+    out = weighted_average(states, [1, 2])
+    assert out["n"].dtype == torch.int64 and int(out["n"]) == 7
+    assert int(weighted_average([{"n": torch.tensor(10)}, {"n": torch.tensor(13)}], [3, 7])["n"]) == 12  # 12.1
+
+
 def test_weighted_average_rejects_bad_weights():
     with pytest.raises(ValueError, match="positive sum"):
         weighted_average([{"w": torch.ones(1)}], [0.0])

@@ -16,7 +16,9 @@ def normalized_weights(weights: Sequence[float]) -> list[float]:
 
 def weighted_average(states: Sequence[Mapping[str, Any]], weights: Sequence[float],
                      names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-    """Sum_i w_i * state_i[name] over the named subset (all keys of the first state by default)."""
+    """Sum_i w_i * state_i[name] over the named subset (all keys of the first state by default), in float64; an
+    integer tensor (BatchNorm's num_batches_tracked) is rounded to the nearest integer, not truncated (1/3 * 7 + 2/3 * 7
+    is 6.999... in float64)."""
     if not states or len(states) != len(weights):
         raise ValueError(f"weighted_average needs one weight per state, got {len(states)} states and "
                          f"{len(weights)} weights")
@@ -27,7 +29,8 @@ def weighted_average(states: Sequence[Mapping[str, Any]], weights: Sequence[floa
         acc = torch.zeros_like(states[0][name], dtype=torch.float64)
         for wi, s in zip(w, states, strict=True):
             acc += wi * s[name].to(torch.float64)
-        out[name] = acc.to(states[0][name].dtype)
+        dtype = states[0][name].dtype
+        out[name] = acc.to(dtype) if dtype.is_floating_point or dtype.is_complex else acc.round().to(dtype)
     return out
 
 
