@@ -187,8 +187,8 @@ def build_run(params: dict[str, Any], identity: dict[str, Any], archs: str | lis
     # pretraining head and leak its training into the run.
     seed_everything(stream_seed(seed, 0, 0, 0x1A17))
     # "arch" or "arch.tag" (config/backbones.yaml's weight tag: the input contract of the weights)
-    nets = [build_backbone(split_tag(a)[0], w, split_tag(a)[1], input_size=input_size, sha256=d)
-            for a, w, d in zip(archs, weights, digests, strict=True)]
+    nets = [build_backbone(arch, w, tag, input_size=input_size, sha256=d)
+            for (arch, tag), w, d in zip(map(split_tag, archs), weights, digests, strict=True)]
     loaded = weight_records(archs, weights)
     infos = [backbone_info(n) for n in nets]
     inputs = {(i["img_size"], i["mean"], i["std"]) for i in infos}

@@ -158,16 +158,21 @@ def test_torchvision_weight_file(tmp_path) -> None:
     sd = dict(model.state_dict())
     sd["fc.weight"], sd["fc.bias"] = torch.zeros(1000, 512), torch.zeros(1000)  # torchvision files keep fc
     save_file(sd, str(tmp_path / "r18.safetensors"))
-    loaded = build_backbone("resnet18", tmp_path / "r18.safetensors").eval()
-    x = torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(x), model(x), atol=0, rtol=0)
+    _assert_loads_as(model, tmp_path / "r18.safetensors")
     del sd["layer4.1.bn2.running_mean"]
     torch.save(sd, tmp_path / "bad.pt")
     with pytest.raises(WeightFileError, match=r"bad\.pt.*missing.*layer4\.1\.bn2\.running_mean"):
         build_backbone("resnet18", tmp_path / "bad.pt")
     with pytest.raises(FileNotFoundError, match="nope.pth"):
         build_backbone("resnet34", tmp_path / "nope.pth")
+
+
+def _assert_loads_as(model: torch.nn.Module, path: Path) -> None:
+    """resnet18 built from the file at ``path`` computes exactly what ``model`` computes."""
+    loaded = build_backbone("resnet18", path).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), atol=0, rtol=0)
 
 
 def test_torchvision_file_without_batch_counters(tmp_path) -> None:
@@ -177,10 +182,7 @@ def test_torchvision_file_without_batch_counters(tmp_path) -> None:
     model = build_backbone("resnet18").eval()
     sd = {k: v for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
     torch.save({**sd, "fc.weight": torch.zeros(1000, 512), "fc.bias": torch.zeros(1000)}, tmp_path / "zoo.pth")
-    loaded = build_backbone("resnet18", tmp_path / "zoo.pth").eval()
-    x = torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(x), model(x), atol=0, rtol=0)
+    _assert_loads_as(model, tmp_path / "zoo.pth")
     del sd["layer4.1.bn2.running_var"]
     torch.save(sd, tmp_path / "short.pth")
     with pytest.raises(WeightFileError, match=r"1 backbone tensors missing .*layer4\.1\.bn2\.running_var"):
