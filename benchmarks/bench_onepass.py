@@ -35,6 +35,7 @@ from fedcore.engine import batching  # noqa: E402
 from fedcore.engine.data import Batch  # noqa: E402
 from fedcore.engine.optim import ClientData, TrainSettings  # noqa: E402
 from fedcore.engine.precision import autocast_for  # noqa: E402
+from fedcore.runtime.determinism import deterministic_kernels  # noqa: E402
 from fedcore.methods import method_class  # noqa: E402
 from fedcore.methods.clip_prompt import TOKENS  # noqa: E402
 from fedcore.methods.sgpt import QUERY  # noqa: E402
@@ -190,13 +191,16 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=None, choices=["one by one", "one pass", "vmap"])
     ap.add_argument("--compile", default=None, choices=["default", "reduce-overhead", "max-autotune"],
                     help="the one pass's step under torch.compile (reduce-overhead: CUDA graphs; GPU)")
+    ap.add_argument("--nondeterministic", action="store_true",
+                    help="CUDA: allow nondeterministic kernels (config deterministic: false); default: strict mode, "
+                         "as the pipeline's CUDA jobs run")
     a = ap.parse_args()
     device, name = bench_device(a.threads)
     print(f"# preset {a.preset}, {a.steps} steps a client, {name}, torch {torch.__version__}, amp={a.amp}, "
-          f"compile={a.compile}")
+          f"compile={a.compile}, deterministic={not a.nondeterministic}")
     print(f"# {'family':10s} {'C':>3s} {'B':>3s} {'GFLOP/img':>9s} | images/s: {'one by one':>10s} {'one pass':>9s} "
           f"{'vmap':>9s} | pass/1x1  pass/vmap | share of peak (one by one, one pass)")
-    with attention_backend(device):
+    with attention_backend(device), deterministic_kernels(device, not a.nondeterministic):
         for family in a.families:
             r = bench(family, a.preset, a.clients, a.batch, a.steps, device, a.amp, a.repeats, a.paths, a.compile)
             one, onep, vm = (r.get(k) for k in ("one by one", "one pass", "vmap"))

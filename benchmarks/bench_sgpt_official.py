@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _device import bench_device  # noqa: E402 (benchmarks/, the script's own folder, is first on sys.path)
 import bench_onepass  # noqa: E402
 from fedcore.backbones.prompted import attention_backend  # noqa: E402
+from fedcore.runtime.determinism import deterministic_kernels  # noqa: E402
 from fedcore.backbones.registry import arch_spec  # noqa: E402
 
 #: SGPT's blocks per preset: (G, shared blocks, group blocks), the official model's image side and arch
@@ -156,11 +157,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--amp", action="store_true", help="bf16 autocast for ours and (also) the official model")
+    ap.add_argument("--nondeterministic", action="store_true",
+                    help="CUDA: ours with nondeterministic kernels too (config deterministic: false); default: ours in "
+                         "strict mode as the pipeline runs it, the official model as it ships (no such mode)")
     a = ap.parse_args()
     device, name = bench_device(a.threads)
     classes = bench_onepass.PRESETS[a.preset]["classes"]
     print(f"# SGPT round: {a.clients} clients x {a.steps} steps x batch {a.batch}, two blocks, preset {a.preset}, "
-          f"{name}, torch {torch.__version__}")
+          f"{name}, torch {torch.__version__}, ours deterministic={not a.nondeterministic}")
     vmp = official_module(a.official.resolve())
     model, side = official_model(vmp, a.preset, classes, device)
     rows = {"official, fp32 (as shipped)": time_official(model, side, a.batch, classes, a.clients, a.steps,
@@ -171,7 +175,7 @@ def main() -> None:
     s = SETTINGS[a.preset]
     params = {"groups": s["groups"], "shared_blocks": s["shared"], "group_blocks": s["group"],
               "select_block": s["select"]}   # the same blocks on our side
-    with attention_backend(device):
+    with attention_backend(device), deterministic_kernels(device, not a.nondeterministic):
         ours = bench_onepass.bench("sgpt", a.preset, a.clients, a.batch, a.steps, device, a.amp, a.repeats,
                                    ["one by one", "one pass"], params=params)
     rows.update({f"ours, {k}": ours[k] for k in ("one by one", "one pass") if k in ours})

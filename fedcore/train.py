@@ -25,6 +25,7 @@ from fedcore.io import atomic_path, atomic_torch_save
 from fedcore.methods import method_class
 from fedcore.partition.class_order import prompt_class_names
 from fedcore.partition.file import Partition
+from fedcore.runtime.determinism import deterministic_kernels
 from fedcore.runtime.device import pick_device
 from fedcore.runtime.seeding import seed_everything
 
@@ -249,7 +250,8 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
               stop_after_round: int | None = None, artifacts: dict[str, str | Path] | None = None,
               depends_on: Sequence[str | Path] = (),
               extra_datasets: dict[str, str | Path] | None = None,
-              backbone_sha256: str | None | list[str | None] = None, compile: str | None = None) -> RunResult | None:
+              backbone_sha256: str | None | list[str | None] = None, compile: str | None = None,
+              deterministic: bool = True) -> RunResult | None:
     """Train one (experiment, method, seed) and write its metrics Parquet and final state atomically.
 
     ``params['method']`` names the registered method when the run's method is a variant of it
@@ -259,7 +261,8 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
     (``Method.artifacts``) to its file (rule ``features``). ``extra_datasets`` maps each other dataset bundle the
     method declares (``Method.extra_datasets``, e.g. FedMD's public data) to its .npz file.
     ``backbone_sha256`` (one per weight file, as ``backbone_weights``) is the digest each file must have
-    (registry.check_sha256; None = not checked).
+    (registry.check_sha256; None = not checked). ``deterministic``: on CUDA, deterministic kernels only
+    (fedcore/runtime/determinism.py; the CPU's already are).
 
     The per-round checkpoint outlives the run: when Snakemake is interrupted while the job runs, the job
     still finishes, Snakemake then deletes its outputs as incomplete and reruns it, and the rerun rebuilds
@@ -273,11 +276,12 @@ def train_run(params: dict[str, Any], identity: dict[str, Any], dataset_path: st
                      tuple(backbone_weights) if isinstance(backbone_weights, list) else (backbone_weights,),
                      tuple(backbone_sha256) if isinstance(backbone_sha256, list) else (backbone_sha256,),
                      dict(artifacts or {}), dict(extra_datasets or {}))
-    run = build_run(params, identity, backbone_arch, files, dev, compile=compile)
-    with attention_backend(dev):
-        result = run_federated(run.method, run.train, run.test, run.train_idx, run.eval_sets, run.pipeline, run.spec,
-                               checkpoint_path, stop_after_round=stop_after_round, progress=progress,
-                               checkpoint_inputs=[*files.reads(), *depends_on], client_weights=run.client_weights)
+    with deterministic_kernels(dev, deterministic):
+        run = build_run(params, identity, backbone_arch, files, dev, compile=compile)
+        with attention_backend(dev):
+            result = run_federated(run.method, run.train, run.test, run.train_idx, run.eval_sets, run.pipeline,
+                                   run.spec, checkpoint_path, stop_after_round=stop_after_round, progress=progress,
+                                   checkpoint_inputs=[*files.reads(), *depends_on], client_weights=run.client_weights)
     if result is None:
         return None
     atomic_torch_save({"identity": identity, "global": result.global_state, "personal": result.personal_states,

@@ -24,6 +24,7 @@ rule train:
         device=CFG.top["device"],
         threads=CFG.top["threads_per_run"],
         compile=CFG.top["compile_one_pass"],
+        deterministic=CFG.top["deterministic"],
     log:
         f"{RESULTS}/logs/train/{SCALE}/{{experiment}}/{{method}}/seed{{seed}}.log",
     threads: 1

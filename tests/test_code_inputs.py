@@ -101,7 +101,7 @@ def _sgpt_job(files: dict, out: Path) -> dict:
             "output": {"metrics": str(out / "m.parquet"), "final": str(out / "f.pt")},
             "params": {"cfg": cfg, "identity": identity, "arch": "vit_mini", "sha256": None,
                        "checkpoint": str(out / "ckpt.pt"), "log_history": None, "device": "cpu", "threads": 1,
-                       "compile": None},
+                       "compile": None, "deterministic": True},
             "modules": [method_module("sgpt"), artifact_module("cls_block1")]}
 
 

@@ -130,3 +130,22 @@ def test_clients_trained_together_on_cuda_equal_one_by_one(experiment, method, t
     assert abs(a - b) <= 0.05 * max(1.0, abs(b)), (a, b)
     for name, t in alone.global_state.items():
         torch.testing.assert_close(together.global_state[name].float(), t.float(), rtol=0.05, atol=0.02, msg=name)
+
+
+# one run per training path on CUDA: ViT prompts in one pass (FedVPT, SGPT's groups), CLIP text context (FedOTP),
+# ResNet clients trained together (FedBN) and FedPFT's two phases
+SAME_TWICE = [p for p in EVERY_RUN if p.id in {"fedvpt", "sgpt", "fedotp", "fedbn", "fedpft"}]
+
+
+@pytest.mark.parametrize("experiment, method", SAME_TWICE)
+def test_the_same_config_and_seed_give_the_same_numbers_on_cuda(experiment, method, tiny_method_root, tmp_path):
+    """Config ``deterministic: true`` (the default) runs CUDA jobs in torch's strict deterministic mode
+    (fedcore/runtime/determinism.py): two runs of one config and seed agree bit for bit, metrics and final states."""
+    import pandas as pd
+
+    run = tiny_run(experiment, method, tiny_method_root)
+    a, b = (run.train(tmp_path / name, device="cuda", batched=True) for name in ("a", "b"))
+    pd.testing.assert_frame_equal(a.metrics, b.metrics, check_exact=True)
+    assert a.global_state.keys() == b.global_state.keys()
+    for name, t in a.global_state.items():
+        assert torch.equal(t, b.global_state[name]), name

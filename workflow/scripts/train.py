@@ -17,4 +17,5 @@ backbone = getattr(snakemake.input, "backbone", None)  # absent: the method buil
 train_run(p.cfg, p.identity, snakemake.input.dataset, snakemake.input.partition, p.arch, backbone,
           snakemake.output.metrics, snakemake.output.final, checkpoint_path=p.checkpoint, device=p.device,
           threads=p.threads, artifacts=artifacts, depends_on=snakemake.input.code,
-          extra_datasets=extra, backbone_sha256=p.sha256 if backbone is not None else None, compile=p.compile)
+          extra_datasets=extra, backbone_sha256=p.sha256 if backbone is not None else None, compile=p.compile,
+          deterministic=p.deterministic)
