@@ -159,6 +159,11 @@ class FedEM(Method):
       * A client evaluated before it ever trained uses the uniform π (no evaluation-time EM); the paper's
         separate procedure for clients unseen during training (learn π with Θ fixed) is not run.
       * Reported training loss: the mean M-step loss Σ_m q_m · CE_m over the local epochs.
+      * Partial participation: each component is averaged over the round's clients (weights renormalised over
+        them, the engine's FedAvg). The official ``CentralizedAggregator`` averages over all clients, the
+        unsampled ones holding the previous components (a server step scaled by the sampled share of the data).
+      * The E-step reads the training batches; the official code an un-augmented pass (``val_iterator``). The
+        same in every SGPT experiment, none of which augments.
     """
 
     name = "fedem"
