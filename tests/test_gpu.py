@@ -90,6 +90,34 @@ def test_select_queries_on_cuda_are_fp32(tiny_run_files, tmp_path):
     np.testing.assert_allclose(gpu[1], cpu[1], rtol=1e-3, atol=1e-4)
 
 
+def test_fedpft_probes_on_cuda_reproduce_the_run_and_keep_the_match_layer(tiny_run_files, tmp_path):
+    """FedPFT's probes of a run trained on CUDA, rebuilt on CUDA: the rebuilt accuracy matches the logged one (bf16
+    in both), and the match layer is measured (its head check ran in fp32 against bf16 logits: silently NaN)."""
+    from fedcore.analysis.linear_probe import write_probe
+
+    params = {**run_params(rounds=2, participation=1.0), "method": "fedpft",
+              "method_params": {"queue_size": 32, "feature_epochs": 1}}
+    train_run(params, identity("fedpft"), tiny_run_files["dataset"], tiny_run_files["partition"], "resnet8_pft_mini",
+              None, tmp_path / "m.parquet", tmp_path / "f.pt", device="cuda", progress=False)
+    run = {"params": params, "identity": identity("fedpft"), "dataset_path": tiny_run_files["dataset"],
+           "partition_path": tiny_run_files["partition"], "arch": "resnet8_pft_mini", "weights": None,
+           "final_path": tmp_path / "f.pt"}
+    table = write_probe(run, tmp_path / "probe.csv", tmp_path / "m.parquet", {"epochs": 2}, device="cuda")
+    assert table.loc[table.measure == "match", "value"].notna().all()
+
+
+def test_analysis_jobs_on_cuda(tiny_run_files, tmp_path):
+    """The t-SNE probe and the CLIP-token cache on CUDA (tests/test_gpu_proxies_analysis.py on the virtual device)."""
+    from fedcore.analysis.tsne import compute_tsne
+    from fedcore.artifacts.clip_tokens import compute_clip_tokens, load_clip_tokens
+
+    compute_tsne(tiny_run_files["dataset"], "vit_mini", tiny_run_files["weights"],
+                 {"per_class": 5, "blocks": [1, 3], "perplexity": 5}, tmp_path / "t.npz", device="cuda")
+    compute_clip_tokens(tiny_run_files["dataset"], "clip_mini", None, tmp_path / "c.npz", device="cuda")
+    train, test = load_clip_tokens(tmp_path / "c.npz", 240, 80, torch.device("cuda"))
+    assert train.is_cuda and torch.isfinite(train.float()).all()
+
+
 # ---- every registered method and variant on CUDA ---------------------------------------------------------------
 from every_method import recorded, representative_runs, tiny_run  # noqa: E402
 

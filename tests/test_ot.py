@@ -122,3 +122,25 @@ def test_half_costs_are_solved_in_fp32_and_bad_settings_are_refused():
         sinkhorn(C, 0.1, stop="never")
     with pytest.raises(ValueError, match=r"\(\.\.\., M, N\)"):
         sinkhorn(torch.ones(3), 0.1)
+
+
+@pytest.mark.parametrize("stop", ["problem", "batch"])
+@pytest.mark.parametrize("lam", [0.1, 0.005])  # 0.005: exp(-C/lam) underflows, the log-domain re-solve runs too
+def test_the_stop_is_read_every_few_iterations_and_changes_no_plan(stop, lam, monkeypatch):
+    """Each read of "is a problem still running?" is a host-device sync on CUDA; a stopped problem stays frozen, so
+    reading it every STOP_CHECK_EVERY iterations gives the plans of reading it every iteration, bit for bit."""
+    from host_syncs import HostSyncs
+
+    import fedcore.methods.ot as otm
+
+    C = _costs(3, 4, dtype=torch.float32)
+    C[0, 0] += torch.linspace(0, 0.5, M)[:, None]  # problems that stop after different numbers of iterations
+    monkeypatch.setattr(otm, "STOP_CHECK_EVERY", 1)
+    with HostSyncs() as every:
+        ref = (unbalanced_ot(C, 0.8, lam, stop=stop), sinkhorn(C, lam, stop=stop))
+    monkeypatch.undo()
+    with HostSyncs() as few:
+        got = (unbalanced_ot(C, 0.8, lam, stop=stop), sinkhorn(C, lam, stop=stop))
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert few.counts["scalar"] <= every.counts["scalar"] // otm.STOP_CHECK_EVERY + 6

@@ -49,6 +49,25 @@ def test_match_layer_realigns_rotated_features_to_a_frozen_head():
     assert predicts_with_head(head(b), head, b) and not predicts_with_head(head(b) + 1.0, head, b)
 
 
+def test_the_head_check_compares_logits_made_under_cudas_autocast_with_the_same_autocast():
+    """GPU proxy (CUDA's bf16 autocast on the CPU): the run's logits come from ``TrainedRun.apply`` under autocast;
+    compared with an fp32 head(feature), logits of a few units differ by bf16 rounding (~1e-2), so on CUDA the match
+    layer was silently skipped (NaN). Failed before the check ran the head under the same autocast."""
+    from fedcore.engine.optim import autocast_for
+    from fedcore.engine.precision import cuda_rules_on_cpu
+
+    torch.manual_seed(0)
+    head, feats = nn.Linear(16, 5), torch.randn(40, 16)
+    with torch.no_grad():
+        head.weight.mul_(8.0)
+    with cuda_rules_on_cpu():
+        with autocast_for(feats):
+            logits = head(feats).float()
+        assert logits.abs().max() > 4.0 and not torch.allclose(logits, head(feats), atol=1e-3, rtol=1e-3)
+        assert predicts_with_head(logits, head, feats)
+        assert not predicts_with_head(logits + 0.1, head, feats)
+
+
 @pytest.fixture(scope="module")
 def pft_run(tiny_run_files, tmp_path_factory):
     """An untrained FedPFT 'run' (initial states saved as its final.pt), rebuilt by load_trained_run."""

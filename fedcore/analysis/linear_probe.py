@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedcore.analysis.trained_run import check_against_log, load_trained_run, logged_final_accuracy
+from fedcore.engine.precision import autocast_for
 from fedcore.engine.sampling import stream_seed
 from fedcore.io import atomic_path
 
@@ -161,7 +162,11 @@ def predicts_with_head(logits: Tensor, head: nn.Module, feats: Tensor) -> bool:
     if len(feats) == 0:
         return False
     w = next(head.parameters())
-    return bool(torch.allclose(logits, head(feats.to(w.dtype)).float(), atol=1e-3, rtol=1e-3))
+    # under the autocast the logits were made in (TrainedRun.apply: bf16 on CUDA): an fp32 head(feats) differs from
+    # bf16 logits of a few units by ~1e-2, beyond the tolerance, and the match layer would silently become NaN
+    with autocast_for(feats):
+        ref = head(feats.to(w.dtype)).float()
+    return bool(torch.allclose(logits, ref, atol=1e-3, rtol=1e-3))
 
 
 def write_probe(run_args: dict[str, Any], out_csv: str | os.PathLike, metrics_path: str | os.PathLike | None = None,

@@ -74,6 +74,12 @@ def clip_classnames(meta: dict) -> list[str]:
     return list(meta.get("clip_names", meta["classes"]))
 
 
+def text_length(eot: Tensor) -> int:
+    """Tokens up to the last EOT of ``eot`` (positions): with CLIP's causal mask the positions after it change nothing
+    before it, so the text tower runs on the ids cut there."""
+    return int(eot.max()) + 1
+
+
 class PromptedCLIP(nn.Module):
     """Wrap an open_clip ``CLIP`` (frozen, always in eval mode): patch tokens and CoOp-style prompted text."""
 
@@ -112,7 +118,13 @@ class PromptedCLIP(nn.Module):
     @property
     def logit_scale(self) -> float:
         """exp of the model's logit scale: CLIP's inverse softmax temperature (100 for OpenAI CLIP)."""
-        return float(self.clip.logit_scale.detach().exp())
+        # read once per value of the (frozen) parameter: every training step asks, and on CUDA each read is a sync
+        t = self.clip.logit_scale
+        key = (id(t), t.data_ptr(), t._version, t.device)
+        cached = self.__dict__.get("_logit_scale")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_logit_scale"] = (key, float(t.detach().exp()))
+        return cached[1]
 
     def train(self, mode: bool = True) -> "PromptedCLIP":
         """The CLIP stays in eval mode whatever the mode (frozen backbone)."""
@@ -148,16 +160,18 @@ class PromptedCLIP(nn.Module):
         """The frozen token embeddings (..., text_width) of token ids."""
         return self.clip.token_embedding(ids)
 
-    def encode_text_with_context(self, ctx: Tensor, ids: Tensor, eot: Tensor) -> Tensor:
+    def encode_text_with_context(self, ctx: Tensor, ids: Tensor, eot: Tensor, length: int | None = None) -> Tensor:
         """(P, K, embed_dim) unnormalised text features of P unified contexts ctx (P, n_ctx, text_width) for the
-        K prompts `ids`/`eot` of ``tokenize_classnames`` (same n_ctx): [SOS] + ctx + class tokens + [EOT]."""
+        K prompts `ids`/`eot` of ``tokenize_classnames`` (same n_ctx): [SOS] + ctx + class tokens + [EOT].
+        ``length``: ``text_length(eot)`` where the caller knows it (else read from ``eot``: a sync on CUDA)."""
         if ctx.ndim != 3 or ctx.shape[-1] != self.text_width:
             raise ValueError(f"ctx must be (P, n_ctx, {self.text_width}), got {tuple(ctx.shape)}")
         if ids.ndim != 2 or eot.shape != ids.shape[:1]:
             raise ValueError(f"ids must be (K, L) and eot (K,), got {tuple(ids.shape)} and {tuple(eot.shape)}")
         p, n_ctx, _ = ctx.shape
         k = ids.shape[0]
-        length = int(eot.max()) + 1  # causal mask: positions after the last EOT change nothing before it
+        if length is None:
+            length = text_length(eot)
         emb = self.token_embedding(ids[:, :length].to(self.clip.token_embedding.weight.device))  # (K, L, W)
         ctx = ctx.to(emb.dtype)
         x = torch.cat([emb[:, :1].expand(p, k, 1, -1), ctx.unsqueeze(1).expand(p, k, n_ctx, -1),

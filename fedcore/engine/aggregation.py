@@ -1,4 +1,4 @@
-"""Server-side arithmetic shared by methods: weighted averaging and server momentum."""
+"""Server-side arithmetic shared by methods: weighted averaging and server momentum; and label counting."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -40,3 +40,9 @@ def server_momentum(previous: Mapping[str, torch.Tensor], current: Mapping[str, 
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"momentum must lie in [0, 1], got {beta}")
     return {n: beta * previous[n] + (1.0 - beta) * current[n] for n in current}
+
+
+def add_counts(counts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``counts[c] += (labels == c).sum()`` for every c, in place: ``counts.add_(torch.bincount(labels, minlength=...))``
+    without its host-device sync on CUDA (bincount reads the labels' max back first); integer counts, so equal."""
+    return counts.index_add_(0, labels, torch.ones_like(labels, dtype=counts.dtype))

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from fedcore.backbones.prompted import PromptedViT, init_prompts
 from fedcore.backbones.registry import build_backbone
 from fedcore.constraints import Choice, Constraint, Int, Number, RunFacts, Violation
+from fedcore.engine.aggregation import add_counts
 from fedcore.engine.data import Batch
 from fedcore.engine.onepass import Owners
 from fedcore.engine.optim import ClientData, autocast_for
@@ -304,7 +305,7 @@ class PrototypeClient(Client):
                 with autocast_for(b.x):
                     feats = model.features(b.x)
                 sums.index_add_(0, b.y, feats.double())
-                counts += torch.bincount(b.y, minlength=c)
+                add_counts(counts, b.y)
         finally:
             model.train(was_training)
         return sums, counts

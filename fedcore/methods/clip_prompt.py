@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from fedcore.backbones.clip import text_length
 from fedcore.constraints import Flag, Int
 from fedcore.engine.batching import OnePass, OnePassEval, epochs_of_loss
 from fedcore.engine.data import Batch
@@ -60,6 +61,8 @@ class ContextPrompts(nn.Module):
         ids, eot = clip.tokenize_classnames(list(class_names), int(n_ctx))
         self.register_buffer("token_ids", ids, persistent=False)
         self.register_buffer("token_eot", eot, persistent=False)
+        # read here, on the CPU, not from the device buffer at every text pass (a sync per training step on CUDA)
+        self.text_length = text_length(eot)
         init = torch.randn(len(names), int(n_ctx), clip.text_width) * CTX_STD  # one draw, as the code's one tensor
         for name, row in zip(names, init, strict=True):
             self.register_parameter(name, nn.Parameter(row.clone()))
@@ -78,7 +81,7 @@ class ContextPrompts(nn.Module):
         """One pass (each context stacked per client): each segment's client's (P, K, D) ``text_features``, all the
         clients' P x K prompts through the text tower in one call."""
         rows = [torch.stack(parts) for parts in zip(*(owners.of(getattr(self, n)) for n in self.names))]
-        feats = self.clip.encode_text_with_context(torch.cat(rows), self.token_ids, self.token_eot)
+        feats = self.clip.encode_text_with_context(torch.cat(rows), self.token_ids, self.token_eot, self.text_length)
         # normalised per client, as its one-by-one update does: the gradient that reaches each normalisation then has
         # the layout it has there (its reductions' order depends on it)
         out = []
@@ -94,7 +97,8 @@ class ContextPrompts(nn.Module):
         key = tuple((p.data_ptr(), p._version) for p in params)
         if not torch.is_grad_enabled() and self._cache is not None and self._cache[0] == key:
             return self._cache[1]
-        feats = self.clip.encode_text_with_context(self.contexts(), self.token_ids, self.token_eot)
+        feats = self.clip.encode_text_with_context(self.contexts(), self.token_ids, self.token_eot,
+                                                  self.text_length)
         with fp32(feats):
             feats = F.normalize(feats.float(), dim=-1)
         self._cache = None if torch.is_grad_enabled() else (key, feats)

@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedcore.constraints import Choice, Flag, Int, Number
-from fedcore.engine.aggregation import weighted_average
+from fedcore.engine.aggregation import add_counts, weighted_average
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, load_state, module_state
@@ -143,7 +143,7 @@ class FedGenClient(GlobalHeadClient):
         bs = int(self.params["generator_batch_size"])
 
         def loss(batch: Batch) -> Tensor:
-            seen.add_(torch.bincount(batch.y, minlength=len(seen)))  # counted while training: no extra pass
+            add_counts(seen, batch.y)  # counted while training: no extra pass
             head_logits = gen_labels = None
             if gen is not None:
                 gen_labels = sample_labels(space, bs).to(batch.y.device)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from fedcore.constraints import Choice
+from fedcore.engine.aggregation import add_counts
 from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, module_state
@@ -51,7 +52,7 @@ class FedProtoClient(PrototypeClient):
             feats = model.features(batch.x)
             with torch.no_grad():
                 sums.index_add_(0, batch.y, feats.detach().double())
-                counts.add_(torch.bincount(batch.y, minlength=c))
+                add_counts(counts, batch.y)
             return self.proto_loss(model, feats, batch.y)
 
         named = dict(model.named_parameters())

@@ -42,7 +42,7 @@ from torch.nn import functional as F
 
 from fedcore.backbones.prompted import PromptedViT, init_prompts
 from fedcore.constraints import EMBED_DIM, LAST_CLIENT, BlockIndex, BlockList, Choice, Flag, Int, Number
-from fedcore.engine.aggregation import weighted_average
+from fedcore.engine.aggregation import add_counts, weighted_average
 from fedcore.engine.batching import in_passes, one_pass_on, start_states
 from fedcore.engine.data import Batch
 from fedcore.engine.onepass import Owners, train_one_pass
@@ -144,7 +144,9 @@ def assign(queries: Tensor, keys: Tensor, params: dict, freq: Tensor | None, tra
             dist = dist * (freq.to(dist) + float(params["calibration_eps"]))
         groups = dist.argmin(dim=1)
         if train and params["batch_vote"]:
-            groups = torch.full_like(groups, int(torch.bincount(groups, minlength=cos.shape[1]).argmax()))
+            # the vote's winner stays on the device (no read back: a sync per step on CUDA)
+            votes = add_counts(groups.new_zeros(cos.shape[1]), groups)
+            groups = votes.argmax().expand_as(groups).contiguous()
         key_loss = -cos.gather(1, groups[:, None]).mean()  # gradient reaches the keys only
     return groups, key_loss
 
@@ -194,7 +196,7 @@ class SGPTClient(Client):
                     return F.cross_entropy(model(batch.x, None).float(), batch.y)
                 groups, key_loss = assign(batch.extras[QUERY], model.keys, p, freq, train=True)
                 if key_loss_on:  # N_g^i counts the selections of the phases that train the keys
-                    counts.add_(torch.bincount(groups, minlength=len(counts)))
+                    add_counts(counts, groups)
                 loss = F.cross_entropy(model(batch.x, groups).float(), batch.y)
                 return loss + float(p["key_loss_weight"]) * key_loss if key_loss_on else loss
 
@@ -251,7 +253,7 @@ class SGPTClient(Client):
                      for q, k, r in zip(owners.split(batch.extras[QUERY]), owners.of(model.keys), owners.rows)]
             if key_loss_on:  # N_g^i counts the selections of the phases that train the keys
                 for r, (groups, _) in zip(owners.rows, picks):
-                    counts[r].add_(torch.bincount(groups, minlength=counts.shape[1]))
+                    add_counts(counts[r], groups)
             logits = model(batch.x, torch.cat([g for g, _ in picks]), owners).float()
             ce = owners.per_client(F.cross_entropy, logits, batch.y)
             if not key_loss_on:
