@@ -17,7 +17,7 @@ SHAPE = {A.nonzero.default, A.argwhere.default, A.masked_select.default, A.binco
 
 class HostSyncs(TorchDispatchMode):
     """Within the block, ``counts`` gathers the ops that sync on CUDA ("scalar", or the shape op's name; boolean-mask
-    indexing counts as "bool_index")."""
+    indexing counts as "bool_index"; a copy between devices that waits, "blocking_copy")."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,6 +33,9 @@ class HostSyncs(TorchDispatchMode):
             self.counts["scalar"] += 1
         elif func in SHAPE:
             self.counts[func.__name__] += 1
+        elif func is A._to_copy.default and "device" in (kwargs or {}) and not (kwargs or {}).get("non_blocking"):
+            if torch.device(kwargs["device"]) != args[0].device:  # a blocking copy waits for the device's queue
+                self.counts["blocking_copy"] += 1
         elif func in (A.index.Tensor, A.index_put_.default, A.index_put.default):
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
                 self.counts["bool_index"] += 1

@@ -49,3 +49,21 @@ def test_sgpt_batch_vote_stays_on_the_device():
     assert syncs.total == 0, dict(syncs.counts)
     plain, _ = assign(queries, keys, {**params, "batch_vote": False}, None, train=True)
     assert torch.equal(groups, torch.full_like(plain, int(torch.bincount(plain, minlength=4).argmax())))
+
+
+def test_a_training_batchs_cpu_draws_reach_the_device_without_waiting():
+    """The shuffle order and the augmentation draws come from the client's CPU generator every step: copied to the
+    device without blocking (a blocking copy waits for all the GPU's queued work). On tests/virtual_device.py's
+    second device, since on the CPU a copy to the CPU is no copy."""
+    from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
+    from virtual_device import VIRTUAL, OnVirtualDevice
+
+    with OnVirtualDevice(strict=True):
+        split = DeviceSplit(torch.randint(0, 255, (8, 8, 8, 3), dtype=torch.uint8).to(VIRTUAL),
+                            torch.arange(8).to(VIRTUAL))
+        indices, pipeline = torch.arange(8).to(VIRTUAL), InputPipeline(8, (0.5,) * 3, (0.5,) * 3)
+        with HostSyncs() as syncs:
+            batches = list(iterate_batches(split, indices, 4, pipeline, generator=torch.Generator().manual_seed(0),
+                                           augment=("crop_flip",)))
+    assert len(batches) == 2 and batches[0].x.device == VIRTUAL
+    assert syncs.counts["blocking_copy"] == 0, dict(syncs.counts)

@@ -76,12 +76,19 @@ class Augmentation:
         return self.apply(x, self.draw(len(x), x.shape[-2], x.shape[-1], gen))
 
 
+def on_device(t: Tensor, like: Tensor) -> Tensor:
+    """A CPU draw (shuffle order, augmentation parameters) on ``like``'s device, copied without waiting for the work
+    queued there: a blocking copy to a GPU waits for the whole stream every step. Safe from pageable memory: the copy
+    reads the source before it returns."""
+    return t.to(like.device, non_blocking=True)
+
+
 def _draw_flip(n: int, h: int, w: int, gen: torch.Generator) -> Draws:
     return {"mask": torch.rand(n, generator=gen) < 0.5}
 
 
 def _apply_flip(x: Tensor, d: Draws) -> Tensor:
-    return torch.where(d["mask"].to(x.device).view(-1, 1, 1, 1), x.flip(-1), x)
+    return torch.where(on_device(d["mask"], x).view(-1, 1, 1, 1), x.flip(-1), x)
 
 
 #: horizontal flip of each image with probability 1/2 (NCHW float)
@@ -101,7 +108,7 @@ def _apply_crop_flip(x: Tensor, d: Draws) -> Tensor:
     b, _, h, w = x.shape
     pad = max(1, int(round(CROP_PAD * h)))
     padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
-    dy, dx = d["dy"].to(x.device), d["dx"].to(x.device)
+    dy, dx = on_device(d["dy"], x), on_device(d["dx"], x)
     rows = (dy.view(b, 1) + torch.arange(h, device=x.device)).view(b, 1, h, 1).expand(b, x.shape[1], h, w + 2 * pad)
     out = padded.gather(2, rows)
     cols = (dx.view(b, 1) + torch.arange(w, device=x.device)).view(b, 1, 1, w).expand(b, x.shape[1], h, w)
@@ -123,7 +130,7 @@ def _uniform(n: int, low: float, high: float, gen: torch.Generator) -> Tensor:
 
 def _warp(x: Tensor, theta: Tensor, mode: str) -> Tensor:
     """Resample every image through its affine map (output -> input, normalised coordinates); zeros outside."""
-    grid = torch.nn.functional.affine_grid(theta.to(x.device, x.dtype), list(x.shape), align_corners=False)
+    grid = torch.nn.functional.affine_grid(on_device(theta, x).to(x.dtype), list(x.shape), align_corners=False)
     return torch.nn.functional.grid_sample(x, grid, mode=mode, padding_mode="zeros", align_corners=False)
 
 
@@ -172,7 +179,7 @@ def _draw_grayscale(n: int, h: int, w: int, gen: torch.Generator, p: float = 0.2
 
 
 def _apply_grayscale(x: Tensor, d: Draws) -> Tensor:
-    mask = d["mask"].to(x.device).view(-1, 1, 1, 1)
+    mask = on_device(d["mask"], x).view(-1, 1, 1, 1)
     return torch.where(mask, _grey(x).expand_as(x), x)
 
 
@@ -217,8 +224,8 @@ def _draw_jitter(n: int, h: int, w: int, gen: torch.Generator, brightness: float
 
 
 def _apply_jitter(x: Tensor, d: Draws) -> Tensor:
-    f_b, f_c, f_s = (d[k].to(x.device).view(-1, 1, 1, 1) for k in ("brightness", "contrast", "saturation"))
-    shift = d["hue"].to(x.device).view(-1, 1, 1)
+    f_b, f_c, f_s = (on_device(d[k], x).view(-1, 1, 1, 1) for k in ("brightness", "contrast", "saturation"))
+    shift = on_device(d["hue"], x).view(-1, 1, 1)
     x = (x * f_b).clamp(0, 1)
     mean = _grey(x).mean(dim=(1, 2, 3), keepdim=True)
     x = (f_c * x + (1 - f_c) * mean).clamp(0, 1)
@@ -322,7 +329,7 @@ def iterate_batches(split: DeviceSplit, indices: Tensor, batch_size: int, pipeli
     """Batches over ``indices``, shuffled (and augmented) by ``generator`` when given (training), in order otherwise;
     a last batch smaller than ``min_batch`` is skipped."""
     if generator is not None:
-        order = indices[torch.randperm(len(indices), generator=generator).to(indices.device)]
+        order = indices[on_device(torch.randperm(len(indices), generator=generator), indices)]
     else:
         order = indices
         augment = ()

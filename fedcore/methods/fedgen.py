@@ -59,7 +59,7 @@ from torch.nn import functional as F
 
 from fedcore.constraints import Choice, Flag, Int, Number
 from fedcore.engine.aggregation import add_counts, weighted_average
-from fedcore.engine.data import Batch
+from fedcore.engine.data import Batch, on_device
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy, load_state, module_state
 from fedcore.engine.sampling import stream_seed
@@ -146,7 +146,7 @@ class FedGenClient(GlobalHeadClient):
             add_counts(seen, batch.y)  # counted while training: no extra pass
             head_logits = gen_labels = None
             if gen is not None:
-                gen_labels = sample_labels(space, bs).to(batch.y.device)
+                gen_labels = on_device(sample_labels(space, bs), batch.y)
                 with torch.no_grad():
                     z = gen(gen_labels, gen.noise(bs, batch.y.device))
                 head_logits = model.head(z).float()

@@ -7,6 +7,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fedcore.constraints import Int, Number
+from fedcore.engine.data import on_device
 from fedcore.engine.optim import ClientData, TrainSettings, run_epochs
 from fedcore.engine.roles import Client, FitResult, Payload, Strategy
 from fedcore.methods import register_method
@@ -70,7 +71,7 @@ class FedMixClient(Client):
         lam = float(self.params["lam"])
 
         def loss_fn(batch) -> Tensor:
-            j = torch.randint(len(y_means), (len(batch.y),), generator=data.generator).to(batch.y.device)
+            j = on_device(torch.randint(len(y_means), (len(batch.y),), generator=data.generator), batch.y)
             return fedmix_loss(model, batch.x, batch.y, x_means[j].float(), y_means[j], lam)
 
         named = dict(model.named_parameters())
