@@ -282,3 +282,29 @@ def test_a_round_of_many_clients_trains_in_several_passes(monkeypatch):
     monkeypatch.setattr(batching, "one_pass_epochs", lambda *a, **k: calls.append(len(a[4])) or real(*a, **k))
     _round(method, server, _states(method), TrainSettings(1, 4, SGD), (3, 16, 16))
     assert calls == [2, 1]
+
+
+@pytest.mark.parametrize("name", ["fedvpt", "sgpt"])
+def test_the_one_pass_step_traces_without_graph_breaks(name, monkeypatch):
+    """What ``compile_one_pass`` compiles: the step of a ViT prompt round traces whole (a graph break would leave
+    CUDA graphs and fusion only the pieces between breaks). Dynamo's tracing only (backend ``eager``, no kernels
+    built), on the CPU; the model and loss are wrapped once outside the step (a module built inside it broke the
+    graph on ``functional_call``)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: compile_(fn, backend="eager", **kw))
+    torch._dynamo.reset()
+    counters.clear()
+    params = {"groups": 5, "shared_blocks": [0, 2], "group_blocks": [1, 2], "select_block": 3} if name == "sgpt" else {}
+    method = _vit_method(name, **params)
+    server = method.strategy.init_state(len(SIZES))
+    settings = TrainSettings(1, 4, SGD, compile="default")
+    extras = {QUERY: (64,)} if name == "sgpt" else None
+    try:
+        _round(method, server, _states(method), settings, (3, 16, 16), extras)
+        assert counters["stats"]["unique_graphs"] >= 1  # it was traced
+        assert dict(counters["graph_break"]) == {}
+    finally:
+        torch._dynamo.reset()

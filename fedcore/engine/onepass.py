@@ -250,8 +250,10 @@ def train_one_pass(model: nn.Module, per_client: Sequence[str], trainable: Seque
     state = {n: torch.stack([s[n].detach() for s in starts]).clone() for n in names}
     start = {n: t.clone() for n, t in state.items()}
     opt = _Optimizer(spec, state, train_names, kept or [None] * k)
+    call = _Call(model, losses)  # built once, outside the compiled step: a module made inside it breaks the graph
+
     def forward(tensors: dict[str, Tensor], batch: Any, owners: Owners) -> Tensor:
-        return with_stacked(model, tensors, losses, batch, owners)
+        return functional_call(call, {"model." + n: t for n, t in tensors.items()}, (batch, owners))
 
     run = torch.compile(forward, mode=compile_mode, dynamic=False) if compile_mode else forward
     sums = [0.0] * k
