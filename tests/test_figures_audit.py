@@ -49,3 +49,56 @@ def test_fedhpl_fig6_has_fedhpl_cnn_and_vit_lines(fedhpl):
             assert (exp, m) in runs
     table2 = fedhpl.tables["fedhpl_table2"]
     assert fig["lines"][-1]["experiment_replace"] == table2["row_sources"]["hpl_vit"]["experiment_replace"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Legends never cover data (per-class lines, grouped bars)
+# ----------------------------------------------------------------------------------------------
+
+def _frame(rows):
+    import pandas as pd
+
+    df = pd.DataFrame(rows, columns=["experiment", "method", "seed", "round", "client", "split", "metric", "value"])
+    df.insert(0, "paper", "fedhpl")
+    df.insert(3, "scale", "mini")
+    return df.astype({"seed": "int64", "round": "int64", "client": "int64", "value": "float64"})
+
+
+def _exp(methods):
+    return {"methods": methods, "report": {"window": "last", "rounds": 1}, "paper": "fedhpl", "rounds": 2}
+
+
+def _legend_boxes(fig):
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    return [lg.get_window_extent(r) for lg in legends], [ax.get_window_extent(r) for ax in fig.axes if ax.get_visible()]
+
+
+def test_per_class_legend_sits_outside_every_panel():
+    """Eight methods' legend inside the first panel covered its curves (lower left, where low accuracies lie)."""
+    from fedcore.report.fig_metrics import per_class_figure
+
+    methods = [f"m{i}" for i in range(8)]
+    panels = [{"label": f"P{k}", "experiment": f"e{k}"} for k in range(3)]
+    rows = [(p["experiment"], m, 0, 2, -1, "global", f"acc_class{c}", 0.1 + 0.02 * c)
+            for p in panels for m in methods for c in range(10)]
+    fig = per_class_figure(_frame(rows), {"kind": "per_class", "caption": "c", "methods": methods, "panels": panels},
+                           {p["experiment"]: _exp(methods) for p in panels}, "mini", set(methods))
+    legends, panels_px = _legend_boxes(fig)
+    assert len(legends) == 1
+    assert not any(legends[0].overlaps(ax) for ax in panels_px)
+
+
+def test_bars_legend_sits_outside_the_axes():
+    """Grouped bars (FedHPL Figs. 3(c), 7-9): matplotlib's 'best' spot inside the axes covered the tallest bars."""
+    from fedcore.report.fig_metrics import bars_figure
+
+    rows_ = ["a", "b", "c", "d"]
+    cols = [{"label": k, "experiment": f"e{k}", "metric": "global_acc"} for k in ("IID", "Dir", "Non-IID")]
+    rows = [(c["experiment"], m, 0, 2, -1, "global", "acc", 0.9) for c in cols for m in rows_]
+    fig = bars_figure(_frame(rows), {"kind": "bars", "caption": "c", "rows": rows_, "columns": cols},
+                      {c["experiment"]: _exp(rows_) for c in cols}, "mini", set(rows_))
+    legends, panels_px = _legend_boxes(fig)
+    assert len(legends) == 1
+    assert not any(legends[0].overlaps(ax) for ax in panels_px)

@@ -357,9 +357,8 @@ def per_class_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str
     for row in axes:
         row[0].set_ylabel("final-round accuracy (%)")
     handles = [Line2D([], [], color=colors[k], marker="o", ms=3, label=labels[k]) for k in keys if k in drawn]
-    if handles:
-        # in the first panel's corner: a figure-level legend would sit on the caption
-        axes.flat[0].legend(handles=handles, fontsize="x-small", ncol=2, loc="lower left", framealpha=0.8)
+    if handles:  # right of the panels: inside one it covers that panel's lines
+        fig.legend(handles=handles, loc="outside right center", fontsize="small")
     add_notes(fig, missing_note("Not drawn", missing))
     set_caption(fig, fig_cfg.get("caption", ""))
     return fig
@@ -396,8 +395,8 @@ def bars_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dic
     ax.grid(True, axis="y", alpha=0.3)
     if not (table["status"] == OK).any():
         mark_empty(ax, "no runs")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small", ncol=min(len(rows), 4))
+    if ax.get_legend_handles_labels()[0]:  # outside the axes: inside, it covers the tallest bars
+        outside_legend(ax)
     add_notes(fig, missing_note("Missing (grey ×)", missing))
     set_caption(fig, fig_cfg.get("caption", ""))
     return fig
