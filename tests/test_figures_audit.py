@@ -102,3 +102,32 @@ def test_bars_legend_sits_outside_the_axes():
     legends, panels_px = _legend_boxes(fig)
     assert len(legends) == 1
     assert not any(legends[0].overlaps(ax) for ax in panels_px)
+
+
+# ----------------------------------------------------------------------------------------------
+# The scale note in every figure's caption
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scale, note", [("mini", "[scale mini: embedded analogue data and tiny backbones, not the "
+                                                  "paper's results]"),
+                                         ("smoke", "[scale smoke: synthetic data, not results]"),
+                                         ("paper", "[scale paper]")])
+def test_rendered_figure_caption_ends_with_the_scale_note(tmp_path, monkeypatch, scale, note):
+    """A mini figure said only "[scale mini]": nothing told a reader of the PNG alone that its numbers are not the
+    paper's (every table says so in its scale note)."""
+    from fedcore.report import render
+    from fedcore.report.plotting import figure_notes, new_figure, set_caption
+
+    seen = {}
+
+    def fake_build(fig_cfg, path, context):
+        fig, _ = new_figure(1, 1)
+        set_caption(fig, fig_cfg["caption"])
+        seen["fig"] = fig
+        return fig
+
+    monkeypatch.setattr(render, "build_figure", fake_build)
+    render.render_figure({"kind": "sweep", "caption": "Fig. X."}, {"metrics": "unused"}, tmp_path / "f.png",
+                         tmp_path / "f.pdf", {"scale": scale})
+    text = figure_notes(seen["fig"])
+    assert f"Fig. X. {note}" in text
