@@ -131,3 +131,35 @@ def test_rendered_figure_caption_ends_with_the_scale_note(tmp_path, monkeypatch,
                          tmp_path / "f.pdf", {"scale": scale})
     text = figure_notes(seen["fig"])
     assert f"Fig. X. {note}" in text
+
+
+# ----------------------------------------------------------------------------------------------
+# Accuracy per round (SGPT's curves, FedOTP Fig. A3, FedPFT Fig. 5(a)/(c)): a listed method without a curve is named
+# ----------------------------------------------------------------------------------------------
+
+def test_accuracy_per_round_names_listed_methods_without_a_curve():
+    """FedOTP Fig. A3 lists CoOp, PromptFL, PromptFL+FedProx and FedOTP: a missing or unconfigured one vanished from
+    its panel without a word unless the whole panel was empty."""
+    import pandas as pd
+
+    from fedcore.report.figures import make_figure
+    from fedcore.report.plotting import figure_notes
+
+    rows = [("e1", m, 0, r, -1, "local", "acc_mean", 0.5) for m in ("coop", "fedotp") for r in (1, 2)]
+    rows += [("e1", "promptfl", 0, r, -1, "global", "acc", 0.5) for r in (1, 2)]   # a run without the metric
+    metrics = _frame(rows)
+    metrics["dataset"] = "d"
+    cfg = {"kind": "accuracy_per_round", "caption": "A3", "experiments": ["e1"], "metric": "local_acc",
+           "methods": ["coop", "promptfl", "promptfl_fedprox", "fedotp", "newcomer"],
+           "labels": {"promptfl_fedprox": "PromptFL+FedProx"}}
+    exps = {"e1": _exp(["coop", "promptfl", "promptfl_fedprox", "fedotp"])}
+    fig = make_figure(metrics, cfg, scale="mini", experiments=exps,
+                      implemented={"coop", "promptfl", "promptfl_fedprox", "fedotp"})
+    assert len(fig.axes[0].get_lines()) == 2
+    notes = figure_notes(fig)
+    assert "Not drawn: e1: promptfl (missing metric); e1: PromptFL+FedProx (missing run); " \
+           "e1: newcomer (not implemented)" in notes
+    # without experiment dicts (the tests' and plot_accuracy_per_round's default), runs and metrics still told apart
+    notes = figure_notes(make_figure(metrics, cfg))
+    assert "e1: PromptFL+FedProx (missing run)" in notes and "e1: promptfl (missing metric)" in notes
+    assert "coop (" not in notes and "fedotp (" not in notes

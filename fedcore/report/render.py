@@ -77,7 +77,7 @@ def build_figure(fig_cfg: dict, path: str | os.PathLike, context: Mapping[str, A
         if kind == "accuracy_per_round":
             from fedcore.report.figures import make_figure
 
-            return make_figure(metrics, fig_cfg, scale=scale, experiments=experiments)
+            return make_figure(metrics, fig_cfg, scale=scale, experiments=experiments, implemented=implemented)
         from fedcore.report import fig_metrics
 
         if kind == "scatter":
