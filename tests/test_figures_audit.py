@@ -163,3 +163,22 @@ def test_accuracy_per_round_names_listed_methods_without_a_curve():
     notes = figure_notes(make_figure(metrics, cfg))
     assert "e1: PromptFL+FedProx (missing run)" in notes and "e1: promptfl (missing metric)" in notes
     assert "coop (" not in notes and "fedotp (" not in notes
+
+
+def test_bars_legend_colours_match_the_bars_when_a_row_has_none():
+    """A row without any number still got a legend entry, drawn in the default colour (another row's): FedHPL
+    Fig. 8 at mini showed four identical blue swatches."""
+    from matplotlib.colors import to_rgba
+
+    from fedcore.report.fig_metrics import bars_figure
+
+    rows_ = ["a", "b", "c"]
+    cols = [{"label": k, "experiment": f"e{k}", "metric": "global_acc"} for k in ("IID", "Dir")]
+    rows = [(c["experiment"], m, 0, 2, -1, "global", "acc", 0.9) for c in cols for m in ("a", "c")]
+    fig = bars_figure(_frame(rows), {"kind": "bars", "caption": "c", "rows": rows_, "columns": cols},
+                      {c["experiment"]: _exp(rows_) for c in cols}, "mini", set(rows_))
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["a", "c"]
+    assert [h.get_facecolor() for h in legend.legend_handles] == [to_rgba("C0"), to_rgba("C2")]
+    assert "Dir: b (missing run)" in " ".join(t.get_text() for t in fig.texts)

@@ -385,8 +385,9 @@ def bars_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dic
         xs = np.arange(len(cols)) + (i - (len(rows) - 1) / 2) * width
         ok = cells["status"].to_numpy() == OK
         label = (fig_cfg.get("row_labels") or {}).get(row) or _label(fig_cfg, row)
-        ax.bar(xs[ok], cells["ours"].to_numpy(dtype=float)[ok], width, color=f"C{i}", label=label,
-               yerr=cells["ours_std"].fillna(0.0).to_numpy(dtype=float)[ok], capsize=2)
+        if ok.any():  # a row without any bar gets no legend entry (an empty one shows another row's colour)
+            ax.bar(xs[ok], cells["ours"].to_numpy(dtype=float)[ok], width, color=f"C{i}", label=label,
+                   yerr=cells["ours_std"].fillna(0.0).to_numpy(dtype=float)[ok], capsize=2)
         for x, cell in zip(xs[~ok], cells.loc[~ok].itertuples()):
             ax.plot(x, 0.02, transform=ax.get_xaxis_transform(), **MISSING_MARK)
             missing.append((f"{cell.column}: {label}", cell.status))
