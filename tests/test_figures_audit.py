@@ -182,3 +182,13 @@ def test_bars_legend_colours_match_the_bars_when_a_row_has_none():
     assert [t.get_text() for t in legend.get_texts()] == ["a", "c"]
     assert [h.get_facecolor() for h in legend.legend_handles] == [to_rgba("C0"), to_rgba("C2")]
     assert "Dir: b (missing run)" in " ".join(t.get_text() for t in fig.texts)
+
+
+def test_sweep_selects_the_baselines_it_draws():
+    """SGPT Fig. 6b draws the best baseline of each metric as a line: built alone (`outputs=[sgpt_fig6b]`), its
+    baseline runs were not selected, so the lines were never drawn."""
+    cfg = load_config({"scale": "mini", "seeds": [0], "papers": ["sgpt"], "outputs": ["sgpt_fig6b"]}, ROOT)
+    fig = cfg.figures["sgpt_fig6b"]
+    assert fig["baselines"]
+    for m in fig["baselines"]:
+        assert cfg.is_selected(fig["experiment"], m), m
