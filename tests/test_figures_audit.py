@@ -192,3 +192,24 @@ def test_sweep_selects_the_baselines_it_draws():
     assert fig["baselines"]
     for m in fig["baselines"]:
         assert cfg.is_selected(fig["experiment"], m), m
+
+
+def test_empty_sweep_and_bars_keep_their_setting_labels():
+    """With no run at all, the grey × of each missing setting or column stood on an axis without labels."""
+    from fedcore.report.fig_metrics import bars_figure, sweep_figure
+
+    exps = {"e": _exp(["a", "b"])}
+    empty = _frame([("e", "z", 0, 2, -1, "global", "acc", 0.5)])
+    cols = [{"label": k, "experiment": "e", "metric": "global_acc"} for k in ("IID", "Dir")]
+    fig = bars_figure(empty, {"kind": "bars", "caption": "c", "rows": ["a", "b"], "columns": cols}, exps, "mini",
+                      {"a", "b"})
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels() if t.get_visible()] == ["IID", "Dir"]
+    sweep = {"kind": "sweep", "caption": "c", "experiment": "e", "param_label": "n",
+             "series": [{"label": "s", "metric": "global_acc", "points": [{"value": 1, "method": "a"},
+                                                                         {"value": 3, "method": "b"}]}]}
+    fig = sweep_figure(empty, sweep, exps, "mini", {"a", "b"})
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels() if t.get_visible()] == ["1", "3"]

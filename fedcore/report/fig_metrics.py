@@ -276,6 +276,8 @@ def sweep_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, di
                        f"{_label(fig_cfg, best[0])} {best[1]:.2f}")
     if not (points["status"] == OK).any():
         mark_empty(ax, "no runs")
+        # the settings keep their tick labels: they tell where each grey × of a missing run sits
+        ax.tick_params(**({"left": True, "labelleft": True} if on_y else {"bottom": True, "labelbottom": True}))
     acc_label = (_axis_label(fig_cfg["series"][0]["metric"]) if len({s["metric"] for s in fig_cfg["series"]}) == 1
                  else "accuracy (%)")
     ax.set_xlabel(acc_label if on_y else fig_cfg["param_label"])
@@ -396,6 +398,7 @@ def bars_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dic
     ax.grid(True, axis="y", alpha=0.3)
     if not (table["status"] == OK).any():
         mark_empty(ax, "no runs")
+        ax.tick_params(bottom=True, labelbottom=True)  # the column labels tell where each grey × sits
     if ax.get_legend_handles_labels()[0]:  # outside the axes: inside, it covers the tallest bars
         outside_legend(ax)
     add_notes(fig, missing_note("Missing (grey ×)", missing))
