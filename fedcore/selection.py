@@ -61,8 +61,9 @@ def figure_runs(fig: dict, experiments: Mapping[str, dict]) -> set[Run]:
     otherwise every method it names in every experiment it names (an accuracy-per-round figure without a
     ``methods`` list draws all its experiments' methods)."""
     kind = fig["kind"]
-    if kind == "sweep":
-        return {(p.get("experiment", fig["experiment"]), p["method"]) for s in fig["series"] for p in s["points"]}
+    if kind == "sweep":  # its points, and the baselines whose best is drawn as a line (SGPT Fig. 6b)
+        return ({(p.get("experiment", fig["experiment"]), p["method"]) for s in fig["series"] for p in s["points"]}
+                | {(fig["experiment"], m) for m in fig.get("baselines", [])})
     if kind == "per_class":
         out = {(p["experiment"], m) for p in fig["panels"] for m in fig.get("methods", [])}
         out |= {(replace_experiment(p["experiment"], x.get("experiment_replace")), x["method"])

@@ -276,6 +276,8 @@ def sweep_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, di
                        f"{_label(fig_cfg, best[0])} {best[1]:.2f}")
     if not (points["status"] == OK).any():
         mark_empty(ax, "no runs")
+        # the settings keep their tick labels: they tell where each grey × of a missing run sits
+        ax.tick_params(**({"left": True, "labelleft": True} if on_y else {"bottom": True, "labelbottom": True}))
     acc_label = (_axis_label(fig_cfg["series"][0]["metric"]) if len({s["metric"] for s in fig_cfg["series"]}) == 1
                  else "accuracy (%)")
     ax.set_xlabel(acc_label if on_y else fig_cfg["param_label"])
@@ -357,9 +359,8 @@ def per_class_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str
     for row in axes:
         row[0].set_ylabel("final-round accuracy (%)")
     handles = [Line2D([], [], color=colors[k], marker="o", ms=3, label=labels[k]) for k in keys if k in drawn]
-    if handles:
-        # in the first panel's corner: a figure-level legend would sit on the caption
-        axes.flat[0].legend(handles=handles, fontsize="x-small", ncol=2, loc="lower left", framealpha=0.8)
+    if handles:  # right of the panels: inside one it covers that panel's lines
+        fig.legend(handles=handles, loc="outside right center", fontsize="small")
     add_notes(fig, missing_note("Not drawn", missing))
     set_caption(fig, fig_cfg.get("caption", ""))
     return fig
@@ -386,8 +387,9 @@ def bars_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dic
         xs = np.arange(len(cols)) + (i - (len(rows) - 1) / 2) * width
         ok = cells["status"].to_numpy() == OK
         label = (fig_cfg.get("row_labels") or {}).get(row) or _label(fig_cfg, row)
-        ax.bar(xs[ok], cells["ours"].to_numpy(dtype=float)[ok], width, color=f"C{i}", label=label,
-               yerr=cells["ours_std"].fillna(0.0).to_numpy(dtype=float)[ok], capsize=2)
+        if ok.any():  # a row without any bar gets no legend entry (an empty one shows another row's colour)
+            ax.bar(xs[ok], cells["ours"].to_numpy(dtype=float)[ok], width, color=f"C{i}", label=label,
+                   yerr=cells["ours_std"].fillna(0.0).to_numpy(dtype=float)[ok], capsize=2)
         for x, cell in zip(xs[~ok], cells.loc[~ok].itertuples()):
             ax.plot(x, 0.02, transform=ax.get_xaxis_transform(), **MISSING_MARK)
             missing.append((f"{cell.column}: {label}", cell.status))
@@ -396,8 +398,9 @@ def bars_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dic
     ax.grid(True, axis="y", alpha=0.3)
     if not (table["status"] == OK).any():
         mark_empty(ax, "no runs")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small", ncol=min(len(rows), 4))
+        ax.tick_params(bottom=True, labelbottom=True)  # the column labels tell where each grey × sits
+    if ax.get_legend_handles_labels()[0]:  # outside the axes: inside, it covers the tallest bars
+        outside_legend(ax)
     add_notes(fig, missing_note("Missing (grey ×)", missing))
     set_caption(fig, fig_cfg.get("caption", ""))
     return fig

@@ -13,8 +13,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedcore.io import atomic_path
-from fedcore.report.plotting import set_caption
-from fedcore.report.tables import PERCENT, metric_factor, metric_key
+from fedcore.report.plotting import add_notes, missing_note, set_caption
+from fedcore.report.tables import MISSING_METRIC, MISSING_RUN, OK, PERCENT, cell_status, metric_factor, metric_key
 
 PNG_DPI = 150
 PANEL_SIZE = (4.5, 3.4)  # inches per panel
@@ -123,9 +123,31 @@ def _configured_methods(panels: list[str], experiments: dict[str, dict] | None) 
     return {e: list(experiments[e].get("methods", [])) for e in panels}
 
 
+def undrawn(metrics: pd.DataFrame, rows: dict[str, pd.DataFrame], fig_cfg: dict,
+            experiments: dict[str, dict] | None, implemented: set[str] | None) -> list[tuple[str, str]]:
+    """(panel: method, reason) of every method the figure lists that has no curve in a panel, with the reason a
+    table cell would give (not implemented, not configured, missing run, missing metric); without experiment
+    dicts only missing runs and metrics can be told apart."""
+    labels = fig_cfg.get("labels") or {}
+    out = []
+    for experiment, panel_rows in rows.items():
+        exp_cfg = (experiments or {}).get(experiment)
+        for method in fig_cfg.get("methods") or []:
+            drawn = panel_rows.loc[panel_rows["method"] == method]
+            run = metrics.loc[(metrics["experiment"] == experiment) & (metrics["method"] == method)]
+            if exp_cfg is None:
+                status = OK if len(drawn) else (MISSING_METRIC if len(run) else MISSING_RUN)
+            else:
+                status = cell_status(method, exp_cfg, run, drawn, implemented if implemented is not None else {method})
+            if status != OK:
+                out.append((f"{experiment}: {labels.get(method, method)}", status))
+    return out
+
+
 def make_figure(metrics: pd.DataFrame, fig_cfg: dict, scale: str | None = None,
-                experiments: dict[str, dict] | None = None) -> Figure:
-    """Build (but do not save) the figure described by `fig_cfg`."""
+                experiments: dict[str, dict] | None = None, implemented: set[str] | None = None) -> Figure:
+    """Build (but do not save) the figure described by `fig_cfg`; a listed method without a curve in a panel is
+    named under the figure with the reason (``implemented``: the methods with code, for 'not implemented')."""
     metrics = _select_scale(metrics, scale)
     panels = list(fig_cfg["experiments"])
     configured = _configured_methods(panels, experiments)
@@ -148,6 +170,7 @@ def make_figure(metrics: pd.DataFrame, fig_cfg: dict, scale: str | None = None,
             handles.setdefault(line.get_label(), line)
     if handles:  # right of the panels (a legend inside a panel covers its curves), below the caption
         fig.legend(list(handles.values()), list(handles), loc="outside right center", fontsize="small")
+    add_notes(fig, missing_note("Not drawn", undrawn(metrics, rows, fig_cfg, experiments, implemented)))
     set_caption(fig, fig_cfg.get("caption", ""))
     return fig
 

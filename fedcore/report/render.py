@@ -77,7 +77,7 @@ def build_figure(fig_cfg: dict, path: str | os.PathLike, context: Mapping[str, A
         if kind == "accuracy_per_round":
             from fedcore.report.figures import make_figure
 
-            return make_figure(metrics, fig_cfg, scale=scale, experiments=experiments)
+            return make_figure(metrics, fig_cfg, scale=scale, experiments=experiments, implemented=implemented)
         from fedcore.report import fig_metrics
 
         if kind == "scatter":
@@ -117,9 +117,10 @@ def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.Pa
     """Build the figure from its named input and write PNG and PDF atomically (with the scale's banner, if any)."""
     from fedcore.report.plotting import save_figure
 
-    # every figure's title says the scale it was drawn at (a PNG is often looked at alone)
+    # every figure's title says the scale it was drawn at and, below paper scale, how to read its numbers (a PNG is
+    # often looked at alone)
     if context.get("scale"):
-        fig_cfg = {**fig_cfg, "caption": f"{fig_cfg.get('caption', '')} [scale {context['scale']}]".strip()}
+        fig_cfg = {**fig_cfg, "caption": f"{fig_cfg.get('caption', '')} {figure_scale_note(context['scale'])}".strip()}
     kind = fig_cfg["kind"]
     if kind in ("image_grid", "partition_bubbles"):  # data-only figures read bundles (and partitions) directly
         from fedcore.report import data_outputs
@@ -134,6 +135,17 @@ def render_figure(fig_cfg: dict, inputs: Mapping[str, Any], out_png: str | os.Pa
         fig = build_figure(fig_cfg, inputs[figure_input(fig_cfg)], context)
     stamp_banner(fig, context.get("scale"))  # data-only figures may be given no context
     save_figure(fig, out_png, out_pdf)
+
+
+#: what a figure's numbers are at each scale below paper (the tables say it in their scale note)
+FIGURE_SCALE_NOTES = {"mini": "mini: embedded analogue data and tiny backbones, not the paper's results",
+                      "smoke": "smoke: synthetic data, not results"}
+
+
+def figure_scale_note(scale: str) -> str:
+    """The note that ends every figure's caption: "[scale paper]", or below paper scale what the numbers are."""
+    note = FIGURE_SCALE_NOTES.get(scale)
+    return f"[scale {note}]" if note else f"[scale {scale}]"
 
 
 def stamp_banner(fig: Figure, scale: str | None) -> None:
