@@ -161,14 +161,13 @@ def test_probe_figures_draw_every_panel_or_say_why(tmp_path):
                                                         "status": "ok", "clients": 2},
                                                        {"label": "B", "method": "fedper", "feature": "phi",
                                                         "status": "not configured"}], "perplexity": 5, "seed": 0})
-    fig = tsne_runs_figure(*read_panels(tmp_path / "t.npz", RUN_TSNE_FORMAT), {"caption": "Fig", "centroids": True},
-                           "mini")
+    fig = tsne_runs_figure(*read_panels(tmp_path / "t.npz", RUN_TSNE_FORMAT), {"caption": "Fig", "centroids": True})
     assert "fedper: not configured" in figure_notes(fig)
     w = rng.dirichlet(np.ones(4), size=5)
     save_panels(tmp_path / "a.npz", {"weights_0": w, "labels_0": np.zeros(5)},
                 {"format": ATTENTION_FORMAT, "panels": [{"label": "p", "method": "fedpft", "prompts": "p_kappa",
                                                          "status": "ok"}], "client": 0, "samples": 5})
-    fig = attention_figure(*read_panels(tmp_path / "a.npz", ATTENTION_FORMAT), {"caption": "Fig 6"}, "mini")
+    fig = attention_figure(*read_panels(tmp_path / "a.npz", ATTENTION_FORMAT), {"caption": "Fig 6"})
     assert "client 0" in figure_notes(fig)
     with pytest.raises(ValueError, match="is not a"):
         read_panels(tmp_path / "a.npz", RUN_TSNE_FORMAT)

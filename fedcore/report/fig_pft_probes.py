@@ -18,13 +18,13 @@ MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h", "p")
 OK = "ok"
 
 
-def build(kind: str, path: str | os.PathLike, fig_cfg: dict, scale: str) -> Figure:
-    """The figure of ``kind`` from its probe file."""
+def build(kind: str, path: str | os.PathLike, fig_cfg: dict) -> Figure:
+    """The figure of ``kind`` from its probe file (the caller's caption carries the scale's note)."""
     from fedcore.analysis.probe_files import ATTENTION_FORMAT, RUN_TSNE_FORMAT as TSNE_FORMAT, read_panels
 
     if kind == "run_tsne":
-        return tsne_runs_figure(*read_panels(path, TSNE_FORMAT), fig_cfg, scale)
-    return attention_figure(*read_panels(path, ATTENTION_FORMAT), fig_cfg, scale)
+        return tsne_runs_figure(*read_panels(path, TSNE_FORMAT), fig_cfg)
+    return attention_figure(*read_panels(path, ATTENTION_FORMAT), fig_cfg)
 
 
 def _grid(n: int, cols: int, panel: tuple[float, float]):
@@ -49,7 +49,7 @@ def _split_panels(axes, panels: list[dict]) -> tuple[list[tuple[int, object, dic
     return drawable, missing
 
 
-def tsne_runs_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict, scale: str) -> Figure:
+def tsne_runs_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict) -> Figure:
     """One t-SNE panel per run: colour = class, marker = client; with ``centroids``, each client's class centroid
     (mean of its t-SNE points) drawn large (Fig. 3)."""
     panels = meta["panels"]
@@ -79,12 +79,12 @@ def tsne_runs_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict, s
     if handles:
         fig.legend(handles=handles, loc="outside right center", fontsize="x-small", ncols=1 + len(handles) // 25)
     add_notes(fig, missing_note("Not drawn", missing))
-    set_caption(fig, f"{fig_cfg.get('caption', '')}\nscale {scale}; t-SNE perplexity {meta.get('perplexity')}, "
+    set_caption(fig, f"{fig_cfg.get('caption', '')}\nt-SNE perplexity {meta.get('perplexity')}, "
                      f"seed {meta.get('seed')}; every client's test images, its own model")
     return fig
 
 
-def attention_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict, scale: str) -> Figure:
+def attention_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict) -> Figure:
     """One heatmap per run: rows = test samples of one client, columns = [f, p_1 .. p_n], value = attention
     weight of τ's output token (rows sum to 1)."""
     panels = meta["panels"]
@@ -99,6 +99,6 @@ def attention_figure(meta: dict, arrays: dict[str, np.ndarray], fig_cfg: dict, s
         ax.set_ylabel("test sample", fontsize="x-small")
         fig.colorbar(im, ax=ax, shrink=0.8)
     add_notes(fig, missing_note("Not drawn", missing))
-    set_caption(fig, f"{fig_cfg.get('caption', '')}\nscale {scale}; client {meta.get('client')}, its first "
+    set_caption(fig, f"{fig_cfg.get('caption', '')}\nclient {meta.get('client')}, its first "
                      f"{meta.get('samples')} test images (fewer where it has fewer); weights averaged over heads")
     return fig

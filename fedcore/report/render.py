@@ -105,7 +105,7 @@ def build_figure(fig_cfg: dict, path: str | os.PathLike, context: Mapping[str, A
     if kind in ("run_tsne", "attention"):
         from fedcore.report import fig_pft_probes
 
-        return fig_pft_probes.build(kind, path, fig_cfg, scale)
+        return fig_pft_probes.build(kind, path, fig_cfg)
     if kind == "partition_grid":
         return fig_probes.partition_grid_figure([pd.read_csv(p) for p in path], fig_cfg, context.get("seed"),
                                                 experiments, scale)
