@@ -1,6 +1,7 @@
-"""Code inputs derived from imports (fedcore/code_inputs.py): a default training job's are exactly the fedcore files
-the job imports, measured in a fresh process; so an edit to any file it imports reruns it, and an edit to any other
-file reruns nothing (tests/test_workflow.py shows both on Snakemake itself)."""
+"""Code inputs derived from imports (fedcore/code_inputs.py): a default training job's, and one run's of every method
+and variant, are exactly the fedcore files the job imports, measured in a fresh process; so an edit to any file it
+imports reruns it, and an edit to any other file reruns nothing (tests/test_workflow.py shows both on Snakemake
+itself)."""
 from __future__ import annotations
 
 import json
@@ -80,9 +81,13 @@ def _derived(*modules: str, script: str = "train.py") -> set[str]:
 
 @pytest.fixture(scope="module")
 def default_plans():
-    """The plan of every training job of the default configuration."""
+    """The plan of every training job of the default configuration, then one run of every method and variant the mini
+    configuration runs (tests/every_method.py), so that a method outside the default outputs is measured too."""
+    from every_method import mini_config, representative_runs
+
     cfg = load_config(yaml.safe_load((ROOT / "config" / "config.yaml").read_text()), ROOT)
-    return [plan_run(cfg, r["experiment"], r["method"], r["seed"]) for r in cfg.runs()]
+    plans = [plan_run(cfg, r["experiment"], r["method"], r["seed"]) for r in cfg.runs()]
+    return plans + [plan_run(mini_config(), e, m, 0) for e, m in representative_runs()]
 
 
 def _sgpt_job(files: dict, out: Path) -> dict:
@@ -106,8 +111,9 @@ def _sgpt_job(files: dict, out: Path) -> dict:
 
 
 def test_default_training_jobs_import_exactly_their_code_inputs(default_plans, tiny_run_files, tmp_path):
-    """Every default training job's derived code inputs equal the fedcore files that loading its run imports, and
-    a whole (tiny) training job, its workflow script included, imports its code inputs and the scripts' glue."""
+    """Every default training job's (and every method's and variant's) derived code inputs equal the fedcore files
+    that loading its run imports, and a whole (tiny) training job, its workflow script included, imports its code
+    inputs and the scripts' glue."""
     kinds = {p.modules: (p.params["method"], sorted(set(p.artifacts.values()))) for p in default_plans}
     job = _sgpt_job(tiny_run_files, tmp_path)
     spec = {"run": job, "imports": {"|".join(k): v for k, v in kinds.items()}}
