@@ -258,7 +258,12 @@ def test_every_method_param_declares_a_constraint():
 
     for name in method_names():
         cls = method_class(name)
-        assert set(cls.param_rules) == set(cls.defaults), name
+        missing = sorted(set(cls.defaults) - set(cls.param_rules))
+        extra = sorted(set(cls.param_rules) - set(cls.defaults))
+        assert not missing and not extra, (
+            f"method {name} ({cls.__module__}): every key of `defaults` needs one constraint in `param_rules` "
+            f"(fedcore/constraints.py: Int, Number, Choice, Flag, BlockIndex, BlockList); without a rule: {missing}, "
+            f"rules for no default: {extra}")
 
 
 @pytest.mark.parametrize("experiment, partition, needle", [
