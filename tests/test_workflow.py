@@ -42,7 +42,11 @@ def _edit_yaml(path: Path, edit) -> None:
 
 
 def _micro(doc: dict) -> None:
+    """The micro methods in SGPT's paper experiments; none in an experiment added beside them (ditto_c100_dir05)."""
     for name, exp in doc["experiments"].items():
+        if name not in MICRO_EXPERIMENTS and name not in NOT_RUN:
+            exp["methods"] = []
+            continue
         exp["methods"] = list(MICRO_METHODS) + ([MICRO_VARIANT] if name == "sgpt_c100_s10" else [])
 
 
