@@ -42,7 +42,7 @@ def metric_rows(experiment: str, method: str, values: dict[tuple[int, str, str],
 def test_every_paper_table_and_figure_is_configured(mini):
     paper_tables = {f"sgpt_table{i}" for i in range(1, 6)}
     assert paper_tables <= set(mini.tables)
-    # any other table compares methods outside the paper (config/reports/sgpt.yaml: ditto_table): no paper numbers
+    # any other table compares methods outside the paper (README, Adding an experiment): no paper numbers
     assert all(not mini.tables[t].get("paper") for t in set(mini.tables) - paper_tables)
     assert set(mini.figures) == {"sgpt_accuracy_per_round", "sgpt_fig1", "sgpt_fig3", "sgpt_fig4", "sgpt_fig5",
                                  "sgpt_fig6a", "sgpt_fig6b", "sgpt_fig7"}

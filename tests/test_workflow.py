@@ -42,7 +42,7 @@ def _edit_yaml(path: Path, edit) -> None:
 
 
 def _micro(doc: dict) -> None:
-    """The micro methods in SGPT's paper experiments; none in an experiment added beside them (ditto_c100_dir05)."""
+    """The micro methods in SGPT's paper experiments; none in an experiment a user added beside them."""
     for name, exp in doc["experiments"].items():
         if name not in MICRO_EXPERIMENTS and name not in NOT_RUN:
             exp["methods"] = []
