@@ -116,9 +116,12 @@ def plan_run(cfg: "Resolved", experiment: str, method: str, seed: int) -> RunPla
 
 
 def describe_plan(p: RunPlan) -> str:
-    """A run's plan as YAML: who it is, every setting it trains with (after every layer), what it reads."""
-    doc = {"identity": p.identity, "params": p.params, "backbones": list(p.backbones), "archs": p.archs,
-           "artifacts": p.artifacts, "extra_datasets": p.extra_datasets}
+    """A run's plan as YAML: who it is, every setting it trains with (after every layer), the method's params with
+    the defaults it fills in (the job's params hold only what the config sets), what it reads."""
+    in_effect = p.method_class.with_defaults(p.params.get("method_params") or {})
+    doc = {"identity": p.identity, "params": p.params, "method_params_with_defaults": in_effect,
+           "backbones": list(p.backbones), "archs": p.archs, "artifacts": p.artifacts,
+           "extra_datasets": p.extra_datasets}
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=110)
 
 

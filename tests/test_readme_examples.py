@@ -54,3 +54,15 @@ def test_python_m_fedcore_plan_prints_a_runs_settings_after_every_layer(capsys):
         assert doc["identity"]["scale"] == scale and doc["params"]["federation"]["rounds"] == rounds
     assert main(["hpl_c10_a0p1_homo", "hpl_tc2", "--scale", "mini", "--root", str(ROOT)]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["params"]["federation"]["local_epochs"] == 2  # its own setting
+
+
+def test_the_plan_shows_the_method_params_the_run_trains_with(capsys):
+    """The job's params hold what the config sets (FedEM at mini: nothing); the plan also prints them with the
+    method's defaults filled in, as the method runs."""
+    from fedcore.methods import method_class
+    from fedcore.plan import main
+
+    assert main(["sgpt_c100_s50", "fedem", "--scale", "mini", "--root", str(ROOT)]) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["params"]["method_params"] == {}
+    assert doc["method_params_with_defaults"] == method_class("fedem").defaults != {}
