@@ -213,3 +213,51 @@ def test_empty_sweep_and_bars_keep_their_setting_labels():
     fig.canvas.draw()
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels() if t.get_visible()] == ["1", "3"]
+
+
+# ----------------------------------------------------------------------------------------------
+# A drawn number carries its table cell's marks (‡ a run ended early, † a short window, ...), explained below
+# ----------------------------------------------------------------------------------------------
+
+def _marked_texts(fig) -> list[str]:
+    return [t.get_text() for ax in fig.axes for t in ax.texts if t.get_text() in ("†", "‡", "†‡")]
+
+
+def test_bars_and_sweeps_mark_a_run_that_ended_early_as_its_table_cell_does():
+    """A run whose last round is before the experiment's configured rounds is marked ‡ in its table cell; its bar
+    and its sweep point were drawn like any other (figure audit: "tables mark ‡ and †, figures do not")."""
+    from fedcore.report.fig_metrics import bars_figure, sweep_figure
+    from fedcore.report.plotting import figure_notes
+
+    rows_ = ["a", "b"]
+    cols = [{"label": "IID", "experiment": "e1", "metric": "global_acc"}]
+    rows = [("e1", "a", 0, 2, -1, "global", "acc", 0.9), ("e1", "b", 0, 1, -1, "global", "acc", 0.5)]
+    exps = {"e1": _exp(rows_)}
+    fig = bars_figure(_frame(rows), {"kind": "bars", "caption": "c", "rows": rows_, "columns": cols}, exps, "mini",
+                      set(rows_))
+    assert _marked_texts(fig) == ["‡"]
+    assert "‡ a run ended before the experiment's configured number of rounds." in figure_notes(fig)
+    sweep = {"kind": "sweep", "caption": "c", "experiment": "e1", "param_label": "n",
+             "series": [{"label": "s", "metric": "global_acc", "points": [{"value": 1, "method": "a"},
+                                                                            {"value": 2, "method": "b"}]}]}
+    fig = sweep_figure(_frame(rows), sweep, exps, "mini", set(rows_))
+    assert _marked_texts(fig) == ["‡"]
+    assert "‡ a run ended" in figure_notes(fig)
+    complete = [("e1", "b", 0, 2, -1, "global", "acc", 0.5) if r[1] == "b" else r for r in rows]
+    fig = sweep_figure(_frame(complete), sweep, exps, "mini", set(rows_))
+    assert _marked_texts(fig) == [] and "‡" not in figure_notes(fig)
+
+
+def test_the_scatter_labels_a_point_with_its_marks():
+    """SGPT Fig. 1's points: a method whose run ended early is labelled with ‡, as its table cell."""
+    from fedcore.report.fig_metrics import scatter_figure
+    from fedcore.report.plotting import figure_notes
+
+    rows = [("e1", m, 0, r, -1, "global", metric, v + d) for m, r, d in (("a", 2, 0.0), ("b", 1, 0.1))
+            for metric, v in (("acc", 0.8), ("acc_min", 0.5))]
+    cfg = {"kind": "scatter", "caption": "c", "experiment": "e1", "methods": ["a", "b"], "x_metric": "global_acc",
+           "y_metric": "global_acc_min"}
+    fig = scatter_figure(_frame(rows), cfg, {"e1": _exp(["a", "b"])}, "mini", {"a", "b"})
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert "b‡" in labels and "a" in labels
+    assert "‡ a run ended" in figure_notes(fig)

@@ -22,7 +22,7 @@ from fedcore.report.plotting import (
     add_notes, err, has_value, mark_empty, missing_note, new_figure, outside_legend, place_labels, run_value,
     set_caption, tick_at_values,
 )
-from fedcore.report.tables import OK, cell_status, run_rows
+from fedcore.report.tables import OK, cell_marks, cell_status, mark_notes, run_rows
 from fedcore.selection import replace_experiment
 
 GFL_COLOR, PFL_COLOR, UNKNOWN_COLOR, OURS_COLOR = "tab:blue", "tab:orange", "tab:gray", "tab:red"
@@ -52,8 +52,14 @@ def scatter_points(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, 
         y = run_value(metrics, m, fig_cfg["experiment"], fig_cfg["y_metric"], experiments, scale, implemented)
         status = OK if has_value(x) and has_value(y) else (x["status"] if not has_value(x) else y["status"])
         rows.append({"method": m, "x": x["ours"], "y": y["ours"], "x_std": err(x), "y_std": err(y),
-                     "n_seeds": min(x["n_seeds"], y["n_seeds"]), "status": status})
+                     "n_seeds": min(x["n_seeds"], y["n_seeds"]), "status": status,
+                     "marks": _marks(x, y) if status == OK else ""})
     return pd.DataFrame(rows)
+
+
+def _marks(*cells: dict[str, Any]) -> str:
+    """The marks (a table cell's † ‡ § ¶) of the cells a drawn point reads, each once."""
+    return "".join(dict.fromkeys("".join(cell_marks(c) for c in cells)))
 
 
 def _marker(method: str, highlight: str | None, personalized: dict[str, bool | None]) -> dict[str, Any]:
@@ -107,6 +113,8 @@ def scatter_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, 
     highlight = fig_cfg.get("highlight")
     ours = {p.method: (p.x, p.y, p.x_std, p.y_std) for p in points.loc[points["status"] == OK].itertuples()}
     spots, sizes, labels = _scatter_panel(ax, ours, fig_cfg, highlight, personalized)
+    marks = dict(zip(points["method"], points["marks"]))
+    labels = [label + marks[m] for label, m in zip(labels, ours)]  # a point's marks, as its table cell's
     if scale == "paper" and paper:
         xy = np.array([paper[m] for m in fig_cfg["methods"] if m in paper], dtype=float)
         ax.scatter(xy[:, 0], xy[:, 1], marker="o", s=50, facecolors="none", edgecolors="black", alpha=0.6, zorder=2)
@@ -133,7 +141,8 @@ def scatter_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, 
         handles.append(Line2D([], [], marker="o", markerfacecolor="none", color="black", ls="none", label="paper"))
     outside_legend(axes[0, -1], handles=handles)
     missing = [(_label(fig_cfg, p.method), p.status) for p in points.itertuples() if p.status != OK]
-    add_notes(fig, missing_note("Not drawn", missing) + coinciding(ours, fig_cfg))
+    add_notes(fig, missing_note("Not drawn", missing) + coinciding(ours, fig_cfg)
+              + mark_notes("".join(marks[m] for m in ours)))
     set_caption(fig, fig_cfg.get("caption", ""))
     # last: the spots are measured in the final layout
     place_labels(ax, spots, labels, marker_pt=sizes)
@@ -215,8 +224,9 @@ def sweep_points(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, di
                              experiments, scale, implemented)
             rows.append({"series": i, "value": float(p["value"]), "method": p["method"], "y": cell["ours"],
                          "std": err(cell), "n_seeds": cell["n_seeds"],
-                         "status": OK if has_value(cell) else cell["status"]})
-    return pd.DataFrame(rows, columns=["series", "value", "method", "y", "std", "n_seeds", "status"])
+                         "status": OK if has_value(cell) else cell["status"],
+                         "marks": _marks(cell) if has_value(cell) else ""})
+    return pd.DataFrame(rows, columns=["series", "value", "method", "y", "std", "n_seeds", "status", "marks"])
 
 
 def best_baselines(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dict], scale: str,
@@ -252,6 +262,9 @@ def sweep_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, di
             xs, ys = (acc, val) if on_y else (val, acc)
             err_kw = {"xerr" if on_y else "yerr": ok["std"].to_numpy(dtype=float)}
             ax.errorbar(xs, ys, **err_kw, marker="o", color=color, capsize=3, label=series["label"])
+            for x, y, m in zip(xs, ys, ok["marks"]):
+                if m:  # the point's marks beside it, as its table cell's
+                    ax.annotate(m, (x, y), textcoords="offset points", xytext=(4, 4), color=color, fontsize="small")
         for p in pts.loc[pts["status"] != OK].itertuples():
             ax.plot(*((0.02, p.value) if on_y else (p.value, 0.02)), transform=edge, **MISSING_MARK)
             missing.append((f"{series['label']} at {p.value:g} ({_label(fig_cfg, p.method)})", p.status))
@@ -287,7 +300,8 @@ def sweep_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, di
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         outside_legend(ax)
-    add_notes(fig, missing_note("Missing (grey ×)", missing) + missing_note("Not drawn", no_baseline))
+    add_notes(fig, missing_note("Missing (grey ×)", missing) + missing_note("Not drawn", no_baseline)
+              + mark_notes("".join(points["marks"])))
     set_caption(fig, fig_cfg.get("caption", ""))
     return fig
 
@@ -390,6 +404,10 @@ def bars_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dic
         if ok.any():  # a row without any bar gets no legend entry (an empty one shows another row's colour)
             ax.bar(xs[ok], cells["ours"].to_numpy(dtype=float)[ok], width, color=f"C{i}", label=label,
                    yerr=cells["ours_std"].fillna(0.0).to_numpy(dtype=float)[ok], capsize=2)
+        for x, cell in zip(xs[ok], cells.loc[ok].itertuples()):
+            if cell_marks(cell._asdict()):  # the bar's marks on top, as its table cell's
+                ax.annotate(cell_marks(cell._asdict()), (x, cell.ours), textcoords="offset points", xytext=(0, 2),
+                            ha="center", va="bottom", fontsize="small")
         for x, cell in zip(xs[~ok], cells.loc[~ok].itertuples()):
             ax.plot(x, 0.02, transform=ax.get_xaxis_transform(), **MISSING_MARK)
             missing.append((f"{cell.column}: {label}", cell.status))
@@ -401,6 +419,8 @@ def bars_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dic
         ax.tick_params(bottom=True, labelbottom=True)  # the column labels tell where each grey × sits
     if ax.get_legend_handles_labels()[0]:  # outside the axes: inside, it covers the tallest bars
         outside_legend(ax)
-    add_notes(fig, missing_note("Missing (grey ×)", missing))
+    drawn = table.loc[table["status"] == OK]
+    add_notes(fig, missing_note("Missing (grey ×)", missing)
+              + mark_notes("".join(cell_marks(c) for _, c in drawn.iterrows())))
     set_caption(fig, fig_cfg.get("caption", ""))
     return fig

@@ -42,7 +42,7 @@ import contextlib
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import pandas as pd
 
@@ -411,6 +411,31 @@ def _best_mask(table: pd.DataFrame, table_cfg: dict | None = None) -> pd.Series:
     return (table["status"] == OK) & (shown == best)
 
 
+#: the marks a cell's number may carry, in the order shown: (mark, the cell's flag, what it says: the tables' and
+#: the figures' notes)
+CELL_MARKS: tuple[tuple[str, str, str], ...] = (
+    (SHORT_MARK, "short_window",
+     "fewer evaluated rounds than the report window needs; mean over the rounds that exist"),
+    (INCOMPLETE_MARK, "incomplete", "a run ended before the experiment's configured number of rounds"),
+    (UNTRAINED_MARK, "untrained",
+     "the aggregate counts clients never sampled by then, each scored with its initial personalised model "
+     "(evaluation.untrained_clients: exclude leaves them out)"),
+    (FOLDER_MARK, "folder_layout",
+     "the dataset was built from image folders with our own stratified 80/20 train/test split "
+     "(allow_folder_layout: true), not the FedBN pickles the papers used"),
+)
+
+
+def cell_marks(cell: Mapping[str, Any]) -> str:
+    """The marks of a cell with a number (CELL_MARKS), '' for none."""
+    return "".join(mark for mark, flag, _ in CELL_MARKS if bool(cell.get(flag, False)))
+
+
+def mark_notes(marks: str) -> list[str]:
+    """One note per mark present in ``marks``, in CELL_MARKS' order."""
+    return [f"{mark} {says}." for mark, _, says in CELL_MARKS if mark in marks]
+
+
 def ours_text(cell: pd.Series, typical_seeds: int, decimals: int = 2) -> str:
     """Our number as shown: 'mean ± std' plus marks, or the reason there is none."""
     if cell["status"] != OK:
@@ -420,15 +445,7 @@ def ours_text(cell: pd.Series, typical_seeds: int, decimals: int = 2) -> str:
         text += f" ± {cell['ours_std']:.{decimals}f}"
     if cell["n_seeds"] != typical_seeds:
         text += f" (n={cell['n_seeds']})"
-    if cell["short_window"]:
-        text += SHORT_MARK
-    if cell["incomplete"]:
-        text += INCOMPLETE_MARK
-    if cell.get("untrained", False):
-        text += UNTRAINED_MARK
-    if cell.get("folder_layout", False):
-        text += FOLDER_MARK
-    return text
+    return text + cell_marks(cell)
 
 
 def _subheaders(scale: str) -> list[str]:
@@ -512,17 +529,7 @@ def footnotes(table: pd.DataFrame, scale: str, table_cfg: dict | None = None) ->
     notes += table_notes.identical_notes(table, cfg)
     if table["paper"].isna().any():
         notes.append(f"{NO_PAPER} = the paper reports no such cell.")
-    if table["short_window"].any():
-        notes.append(f"{SHORT_MARK} fewer evaluated rounds than the report window needs; "
-                     "mean over the rounds that exist.")
-    if table["incomplete"].any():
-        notes.append(f"{INCOMPLETE_MARK} a run ended before the experiment's configured number of rounds.")
-    if "untrained" in table and table["untrained"].any():
-        notes.append(f"{UNTRAINED_MARK} the aggregate counts clients never sampled by then, each scored with its "
-                     "initial personalised model (evaluation.untrained_clients: exclude leaves them out).")
-    if "folder_layout" in table and table["folder_layout"].any():
-        notes.append(f"{FOLDER_MARK} the dataset was built from image folders with our own stratified 80/20 "
-                     "train/test split (allow_folder_layout: true), not the FedBN pickles the papers used.")
+    notes += mark_notes("".join(mark for mark, flag, _ in CELL_MARKS if flag in table and table[flag].any()))
     present = [s for s in STATUS_NOTES if (table["status"] == s).any()]
     if present:
         notes.append("Cells without a number: " + "; ".join(STATUS_NOTES[s] for s in present) + ".")
