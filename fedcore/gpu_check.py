@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from fedcore.gpu_targets import evaluate, targets_markdown
+
 ROOT = Path(__file__).resolve().parents[1]
 #: the smoke sample: one small output per paper that trains its paper-scale backbones (SGPT's ViT-B ablation,
 #: FedHPL's heterogeneous ViTs and ResNets, FedOTP's CLIP with a transport-plan probe, FedPFT's ResNet-8/10 with
@@ -193,9 +195,19 @@ def _outcome(step: Step, log: Path) -> tuple[str, list[str]]:
         progress = f"{done[-1][0]} of {done[-1][1]} jobs done" if done else "no job finished"
         return (f"{progress}; {runs} training runs, {tables} tables, {figures} figures"
                 + (f"; failed rules: {', '.join(failed)}" if failed else "")), []
-    # a benchmark prints its figures; a failing one ends with the exception's line
-    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(("Traceback", "  "))]
-    return (lines[-1][:200] if lines else "no output"), lines[-20:]
+    # a benchmark prints its figures (bench_onepass.py's rows are indented); a failing one ends with the
+    # exception's line, after the traceback's indented frames, which are left out
+    lines, in_traceback = [], False
+    for ln in text.splitlines():
+        if ln.startswith("Traceback"):
+            in_traceback = True
+            continue
+        if in_traceback and ln.startswith(" "):
+            continue
+        in_traceback = False
+        if ln.strip():
+            lines.append(ln)
+    return (lines[-1].strip()[:200] if lines else "no output"), lines[-20:]
 
 
 def _env_info(python: str) -> dict[str, str]:
@@ -296,6 +308,8 @@ def write_summary(out: Path, mode: str, env: dict[str, str], results: list[Resul
     lines += [f"| {r.name} | {r.phase} | {r.status} | {r.wall_s:.0f} | {r.timeout_s:.0f} | "
               f"{r.detail.replace('|', '/')} |" for r in results]
     lines += ["", "Steps: " + "; ".join(f"**{r.name}**: {r.what}" for r in results), ""]
+    if mode == "full":
+        lines += targets_markdown(evaluate({r.name: r.output for r in results if r.status == "pass"}))
     for r in results:
         if r.output and r.status == "pass":
             lines += [f"## {r.name}: figures", "", f"`{r.command}`", "", "```", *r.output, "```", ""]

@@ -81,3 +81,56 @@ def test_the_official_sgpt_step_comes_only_with_a_checkout(tmp_path):
     steps = plan(tmp_path, 16, sgpt_official=tmp_path / "SGPT")
     step = next(s for s in steps if s.name == "bench_sgpt_official")
     assert step.phase == 1 and str(tmp_path / "SGPT") in step.argv and check(step)[0]
+
+
+# what the benchmarks print on a GPU (their own format strings; figures made up), as the check's logs hold them
+ONEPASS_LOG = """# preset paper, 4 steps a client, NVIDIA H100, torch 2.14.1, amp=True, compile=None, deterministic=True
+# family       C   B GFLOP/img | images/s: one by one  one pass      vmap | pass/1x1  pass/vmap | share of peak
+  fedvpt       5  64    70.000 |               3400.0    6100.0         - |     1.79x         - | 24.1%, 43.2%
+  sgpt         5  40    71.000 |               3300.0    5000.0         - |     1.52x         - | 23.7%, 35.9%
+  fedhpl       5  16    70.000 |                800.0    3200.0         - |     4.00x         - | 5.7%, 22.6%
+  fedotp      10  32    40.000 |               1000.0    2500.0         - |     2.50x         - | 4.0%, 10.1%
+"""
+OFFICIAL_LOG = """# SGPT round: 5 clients x 3 steps x batch 40, two blocks, preset paper, NVIDIA H100
+  official, fp32 (as shipped)         489.0 images/s    1.00x the official as shipped
+  ours, one by one                   3300.0 images/s    6.75x the official as shipped
+  ours, one pass                     5000.0 images/s   10.22x the official as shipped
+"""
+HPL_LOG = """# FedHPL hetvit, batch 16, 20 steps, NVIDIA H100, amp=True
+vit_small_patch16_224     train     678.0 images/s   upload/eval    2000.0 images/s
+estimated round (5 clients x 10000 train images, upload pass, 2000 test images each, one after another): 146 s
+"""
+
+
+def test_the_benchmarks_figures_reach_the_summary_and_its_targets(tmp_path):
+    """bench_onepass.py's and bench_sgpt_official.py's rows are indented: the summary kept only their header lines
+    (indented lines were dropped as traceback frames). Issue 24's targets are read from the figures kept."""
+    from fedcore.gpu_check import _outcome
+
+    logs = {}
+    for name, text in (("bench_onepass", ONEPASS_LOG), ("bench_sgpt_official", OFFICIAL_LOG),
+                       ("bench_fedhpl_vit", HPL_LOG)):
+        logs[name] = tmp_path / f"{name}.log"
+        logs[name].write_text(text)
+    outputs = {n: _outcome(Step(n, 1, ["x"], 1, "benchmark", ""), p)[1] for n, p in logs.items()}
+    assert "  fedvpt       5  64    70.000 |               3400.0    6100.0         - |     1.79x         - | " \
+           "24.1%, 43.2%" in outputs["bench_onepass"]
+    env = {k: "?" for k in ("date", "host", "gpu", "driver", "torch", "cuda", "python", "cpus", "commit")}
+    res = [gpu_check.Result(n, 1, "pass", "", "", 1, output=o) for n, o in outputs.items()]
+    md = write_summary(tmp_path, "full", env, res, 570).read_text()
+    assert "| fedvpt: share of the bf16 peak, one pass | >= 40 % | 43.2 % | met |" in md
+    assert "| sgpt: share of the bf16 peak, one pass | >= 40 % | 35.9 % | NOT met |" in md
+    assert "| sgpt: ours in one pass over the official code's round | >= 10x | 10.2x | met |" in md
+    assert "| fedhpl: a paper round (hetvit), estimated | <= 40 s | 36.5 s | met |" in md   # 146 s / 4.00
+    assert "| fedotp: one pass over one by one | >= 3x | 2.5x | NOT met |" in md
+
+
+def test_a_target_whose_benchmark_did_not_run_says_not_measured():
+    from fedcore.gpu_targets import evaluate
+
+    targets = evaluate({"bench_onepass": ONEPASS_LOG.splitlines()})
+    by = {t.name.split(":")[0] + ("" if "peak" not in t.name else " peak"): t for t in targets}
+    assert by["sgpt"].met is None and by["sgpt"].measured is None   # no --sgpt-official
+    assert by["fedhpl"].met is None                                  # no bench_fedhpl_vit figure
+    cpu = "  fedvpt       5  40     0.015 |               2104.5    2314.2    1957.9 |     1.10x     1.18x | "
+    assert evaluate({"bench_onepass": [cpu]})[0].met is None          # no share of a peak on the CPU
