@@ -302,8 +302,14 @@ def test_the_one_pass_step_traces_without_graph_breaks(name, monkeypatch):
     server = method.strategy.init_state(len(SIZES))
     settings = TrainSettings(1, 4, SGD, compile="default")
     extras = {QUERY: (64,)} if name == "sgpt" else None
+    plan = method.client.together("cpu", method.model)
+    states = _states(method)
+    downs = [method.strategy.configure(server, c) for c in range(len(states))]
+    datas = [_data(c, n, (3, 16, 16), extras or {}, settings) for c, n in enumerate(SIZES)]
     try:
-        _round(method, server, _states(method), settings, (3, 16, 16), extras)
+        with attention_backend("cpu"):
+            method.model.train()
+            plan.fit(states, downs, datas, settings)   # the one pass only (its equality: the tests above)
         assert counters["stats"]["unique_graphs"] >= 1  # it was traced
         assert dict(counters["graph_break"]) == {}
     finally:
