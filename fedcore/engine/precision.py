@@ -58,8 +58,8 @@ class _CudaCalls(TorchFunctionMode):
         kwargs = kwargs or {}
         why = strict_refusal(func, args, kwargs) if self.deterministic else None
         if why is not None:
-            raise RuntimeError(f"{why} has no deterministic CUDA kernel: a CUDA job in strict deterministic mode (config "
-                               "deterministic: true) stops here; use another op, or set deterministic: false")
+            raise RuntimeError(f"{why} has no deterministic CUDA kernel: a CUDA job in strict deterministic mode "
+                               "(config deterministic: true) stops here; use another op, or set deterministic: false")
         if func in _CUDA_LOWER and torch.is_autocast_enabled("cpu"):
             def cast(a):
                 return a.to(torch.bfloat16) if isinstance(a, Tensor) and a.is_floating_point() else a

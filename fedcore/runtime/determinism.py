@@ -69,7 +69,12 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> A
 def _pool_to_one(size: Any) -> bool:
     """An adaptive pool to 1x1: torch computes it as a mean over the spatial dims (a deterministic backward)."""
     sizes = size if isinstance(size, (tuple, list)) else (size,)
-    return all(s in (1, None) for s in sizes)
+    return all(s == 1 for s in sizes)
+
+
+def _over_positions(x: Any) -> bool:
+    """A loss input with spatial positions beyond (N, C): torch's nll_loss2d path."""
+    return isinstance(x, Tensor) and x.dim() > 2
 
 
 # call -> (why strict mode refuses it on CUDA, whether this call is refused); torch 2.14's list, the calls models make
@@ -90,9 +95,9 @@ _REFUSED: dict[Callable, tuple[str, Callable[[tuple, dict], bool]]] = {
     F.pad: ("reflection padding's backward",
             lambda a, k: _arg(a, k, 2, "mode", "constant") == "reflect" and _grad(_arg(a, k, 0, "input"))),
     F.nll_loss: ("nll_loss over spatial positions (nll_loss2d)",
-                 lambda a, k: _arg(a, k, 0, "input").dim() > 2 and _arg(a, k, 6, "reduction", "mean") != "none"),
+                 lambda a, k: _over_positions(_arg(a, k, 0, "input")) and _arg(a, k, 6, "reduction", "mean") != "none"),
     F.cross_entropy: ("cross_entropy over spatial positions (nll_loss2d)",
-                      lambda a, k: _arg(a, k, 0, "input").dim() > 2
+                      lambda a, k: _over_positions(_arg(a, k, 0, "input"))
                       and _arg(a, k, 6, "reduction", "mean") != "none"),
     F.ctc_loss: ("ctc_loss's backward", lambda a, k: _grad(_arg(a, k, 0, "log_probs"))),
     torch.histc: ("histc", lambda a, k: True),
