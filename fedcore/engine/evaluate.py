@@ -61,12 +61,13 @@ def predict_clients(method, model, plan: OnePassEval, stacked: dict[str, torch.T
     ``stacked``: every batch scored by up to ``CLIENTS_PER_PASS`` clients' models in one pass."""
     k = len(next(iter(stacked.values())))
     out: list[list[torch.Tensor]] = [[] for _ in range(k)]
+    predict = with_stacked(model, plan.predict)
     for b in iterate_batches(split, indices, batch_size, pipeline):
         for lo in range(0, k, CLIENTS_PER_PASS):
             rows = tuple(range(lo, min(k, lo + CLIENTS_PER_PASS)))
             owners = Owners(rows, (len(b.y),) * len(rows))
             batch = b if len(rows) == 1 else concat_batches([b] * len(rows))
-            logits = with_stacked(model, stacked, plan.predict, batch, owners)
+            logits = predict(stacked, batch, owners)
             for r, part in zip(rows, owners.split(logits)):
                 out[r].append(part.argmax(dim=1))
     empty = torch.empty(0, dtype=torch.long, device=indices.device)

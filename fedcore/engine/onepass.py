@@ -104,9 +104,16 @@ class _Call(nn.Module):
         return self.fn(self.model, batch, owners)
 
 
-def with_stacked(model: nn.Module, stacked: dict[str, Tensor], fn: ClientLosses, batch: Any, owners: Owners) -> Tensor:
-    """``fn(model, batch, owners)`` with the model's per-client tensors swapped for the stacked ones (by name)."""
-    return functional_call(_Call(model, fn), {"model." + n: t for n, t in stacked.items()}, (batch, owners))
+def with_stacked(model: nn.Module, fn: ClientLosses) -> Callable[[dict[str, Tensor], Any, Owners], Tensor]:
+    """``run(stacked, batch, owners)`` = ``fn(model, batch, owners)`` with the model's per-client tensors swapped
+    for the stacked ones (by name). The model-and-loss module is built once, here: built inside a compiled step it
+    broke Dynamo's graph at ``functional_call``."""
+    call = _Call(model, fn)
+
+    def run(stacked: dict[str, Tensor], batch: Any, owners: Owners) -> Tensor:
+        return functional_call(call, {"model." + n: t for n, t in stacked.items()}, (batch, owners))
+
+    return run
 
 
 def concat_batches(batches: Sequence[Any]) -> Any:
@@ -250,11 +257,7 @@ def train_one_pass(model: nn.Module, per_client: Sequence[str], trainable: Seque
     state = {n: torch.stack([s[n].detach() for s in starts]).clone() for n in names}
     start = {n: t.clone() for n, t in state.items()}
     opt = _Optimizer(spec, state, train_names, kept or [None] * k)
-    call = _Call(model, losses)  # built once, outside the compiled step: a module made inside it breaks the graph
-
-    def forward(tensors: dict[str, Tensor], batch: Any, owners: Owners) -> Tensor:
-        return functional_call(call, {"model." + n: t for n, t in tensors.items()}, (batch, owners))
-
+    forward = with_stacked(model, losses)
     run = torch.compile(forward, mode=compile_mode, dynamic=False) if compile_mode else forward
     sums = [0.0] * k
     totals: list[Tensor | None] = [None] * k  # each client's loss sum, on the device: no sync per step

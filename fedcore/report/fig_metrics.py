@@ -405,9 +405,10 @@ def bars_figure(metrics: pd.DataFrame, fig_cfg: dict, experiments: dict[str, dic
             ax.bar(xs[ok], cells["ours"].to_numpy(dtype=float)[ok], width, color=f"C{i}", label=label,
                    yerr=cells["ours_std"].fillna(0.0).to_numpy(dtype=float)[ok], capsize=2)
         for x, cell in zip(xs[ok], cells.loc[ok].itertuples()):
-            if cell_marks(cell._asdict()):  # the bar's marks on top, as its table cell's
-                ax.annotate(cell_marks(cell._asdict()), (x, cell.ours), textcoords="offset points", xytext=(0, 2),
-                            ha="center", va="bottom", fontsize="small")
+            marks = cell_marks(cell._asdict())
+            if marks:  # the bar's marks on top, as its table cell's
+                ax.annotate(marks, (x, cell.ours), textcoords="offset points", xytext=(0, 2), ha="center",
+                            va="bottom", fontsize="small")
         for x, cell in zip(xs[~ok], cells.loc[~ok].itertuples()):
             ax.plot(x, 0.02, transform=ax.get_xaxis_transform(), **MISSING_MARK)
             missing.append((f"{cell.column}: {label}", cell.status))
