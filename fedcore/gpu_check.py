@@ -136,6 +136,23 @@ def plan_wall_s(steps: list[Step]) -> float:
     return total
 
 
+def fit_budget(steps: list[Step], budget_s: float, floor_s: float = 60.0) -> list[tuple[str, float, float]]:
+    """Cut the timeouts of the phases after the first (run side by side) so that the plan fits ``budget_s`` (a lent
+    GPU's per-call limit); phase 1's benchmarks keep theirs. Returns (step, old, new) for each step cut."""
+    phase1 = sum(s.timeout_s for s in steps if s.phase == 1)
+    later = sorted({s.phase for s in steps} - {1})
+    if not later or plan_wall_s(steps) <= budget_s:
+        return []
+    each = max(floor_s, (budget_s - SETUP_S - phase1) / len(later))  # what each later phase may take
+    cuts = []
+    for s in steps:
+        if s.phase != 1 and s.timeout_s > each:
+            cuts.append((s.name, s.timeout_s, each))
+            s.timeout_s = each
+            s.what += f" (timeout cut from {cuts[-1][1]:.0f} s to fit the {budget_s:.0f} s budget)"
+    return cuts
+
+
 # ---- plumbing checks (--dry, or no CUDA) ------------------------------------------------------------------------
 
 
@@ -339,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS", help="override a timeout")
     ap.add_argument("--sgpt-official", default=None, type=Path,
                     help="a checkout of github.com/ubc-tea/SGPT: also time SGPT's round beside its model (+40 s)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds the whole check may take: later phases' timeouts are cut to fit (default "
+                         f"{PLAN_BUDGET_S}, none with --smoke-outputs all; 0: no cut)")
     ap.add_argument("--summary-to", default=None, help="also keep summary.md/json in this directory, rewritten as "
                                                        "the check goes (e.g. a folder that is collected)")
     a = ap.parse_args(argv)
@@ -347,7 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     smoke = "all" if a.smoke_outputs == "all" else [x for x in a.smoke_outputs.split(",") if x]
     steps = plan(out, a.cores, smoke, sgpt_official=a.sgpt_official.resolve() if a.sgpt_official else None)
-    for spec in a.timeout:
+    budget_s = a.budget if a.budget is not None else (0 if smoke == "all" else PLAN_BUDGET_S)
+    for name, old, new in fit_budget(steps, budget_s) if budget_s else []:
+        print(f"gpu_check: {name}'s timeout cut from {old:.0f} s to {new:.0f} s to fit the {budget_s:.0f} s budget")
+    for spec in a.timeout:   # given timeouts win over the budget
         name, _, secs = spec.partition("=")
         hits = [s for s in steps if s.name == name]
         if not hits or not secs:

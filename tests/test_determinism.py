@@ -56,6 +56,11 @@ REFUSED = [
     ("bincount with weights", lambda: torch.bincount(torch.tensor([0, 1, 1]), weights=torch.ones(3))),
     ("histc", lambda: torch.histc(torch.rand(5), bins=3)),
     ("median with indices", lambda: torch.median(torch.rand(3, 4), dim=1)),
+    # refused by torch 2.11-2.13 only, which pyproject.toml admits (a GPU site's torch)
+    ("cumsum of floats", lambda: torch.cumsum(torch.rand(5), 0)),
+    ("cumsum of floats as a method", lambda: torch.rand(5).cumsum(0)),
+    ("cumsum of integers into floats", lambda: torch.arange(5).cumsum(0, dtype=torch.float32)),
+    ("max_pool3d backward", lambda: torch.nn.MaxPool3d(2)(_x(1, 1, 2, 2, 2))),
 ]
 ALLOWED = [
     ("bilinear resize of images (no gradient)", lambda: F.interpolate(_x(1, 2, 4, 4, grad=False), size=6,
@@ -65,6 +70,8 @@ ALLOWED = [
     ("bincount of labels", lambda: torch.bincount(torch.tensor([0, 1, 1]), minlength=3)),
     ("median value", lambda: torch.median(torch.rand(5))),
     ("constant padding", lambda: F.pad(_x(1, 2, 4, 4), (1, 1, 1, 1))),
+    ("cumsum of integers", lambda: torch.arange(5).cumsum(0)),
+    ("max_pool3d without gradient", lambda: F.max_pool3d(_x(1, 1, 2, 2, 2, grad=False), 2)),
 ]
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from fedcore import gpu_check
-from fedcore.gpu_check import PLAN_BUDGET_S, SMOKE_SAMPLE, Step, check, plan, plan_wall_s, run_phase, write_summary
+from fedcore.gpu_check import (PLAN_BUDGET_S, SMOKE_SAMPLE, Step, check, fit_budget, plan, plan_wall_s, run_phase,
+                                write_summary)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,6 +33,19 @@ def test_the_plan_fits_ten_minutes_and_each_command_is_valid(tmp_path):
             assert ok, (s.name, why)
     bad = Step("b", 1, ["python", "benchmarks/bench_train.py", "--no-such-flag"], 1, "benchmark", "")
     assert check(bad) == (False, "benchmarks/bench_train.py declares no ['--no-such-flag']")
+
+
+def test_the_official_sgpt_step_still_fits_a_lent_gpus_call_by_cutting_the_side_by_side_phase(tmp_path):
+    """With --sgpt-official the plan is 40 s longer than a lent GPU's 600 s call: phase 2 gives way, the
+    benchmarks keep their timeouts, and each cut is said in the step's description."""
+    steps = plan(tmp_path, 16, sgpt_official=tmp_path / "SGPT")
+    bench = {s.name: s.timeout_s for s in steps if s.phase == 1}
+    assert plan_wall_s(steps) > PLAN_BUDGET_S
+    cuts = fit_budget(steps, PLAN_BUDGET_S)
+    assert plan_wall_s(steps) <= PLAN_BUDGET_S and {s.name: s.timeout_s for s in steps if s.phase == 1} == bench
+    assert {name for name, _, _ in cuts} == {"gpu_tests", "default_pipeline"}   # smoke's 300 s already fits
+    assert all(new < old for _, old, new in cuts) and "to fit the 600 s budget" in steps[-2].what
+    assert fit_budget(plan(tmp_path, 16), PLAN_BUDGET_S) == []                    # the plain plan fits as it is
 
 
 def test_failing_and_hanging_steps_are_recorded_and_the_others_run(tmp_path):

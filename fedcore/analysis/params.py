@@ -32,11 +32,10 @@ def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
     return int(sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only))
 
 
-def uploaded_numbers(spec: dict[str, Any]) -> int:
+def uploaded_numbers(method: Any, spec: dict[str, Any]) -> int:
     """Numbers a client of the column's method uploads per round: its shared state (parameters and running
     statistics, not BatchNorm's batch counters), only the model parts ``upload_parts`` names when given (FedPFT
     Table 10: φ, τ, h_κ, h_ρ)."""
-    method = _build_method(spec)
     keys = method.client.shared_keys(method.keys(0))
     parts = spec.get("upload_parts")
     state = method.initial_state(0, keys)
@@ -49,6 +48,14 @@ def _build_method(spec: dict[str, Any]):
     cls = method_class(spec.get("base", spec["method"]))
     backbone = build_backbone(spec["arch"], input_size=spec.get("input_size"))  # the experiment's, if it sets one
     return cls(prompt_adapter(backbone), int(spec["num_classes"]), dict(spec.get("params") or {}))
+
+
+def _counted(spec: dict[str, Any]) -> tuple[nn.Module, float]:
+    """The column's model and, for a method, the numbers its client uploads (built once: a method is the slow part)."""
+    if spec["source"] == "method":
+        method = _build_method(spec)
+        return method.model, uploaded_numbers(method, spec)
+    return build_model(spec), math.nan
 
 
 def build_model(spec: dict[str, Any]) -> nn.Module:
@@ -87,12 +94,10 @@ def model_counts(spec: dict[str, Any]) -> dict[str, Any]:
                 "device": ""}
     try:
         with torch.device("meta"):
-            model, device = build_model(spec), "meta"
-            uploaded = uploaded_numbers(spec) if spec["source"] == "method" else math.nan
+            (model, uploaded), device = _counted(spec), "meta"
     except (NotImplementedError, RuntimeError) as e:  # an init op without a meta kernel
         log.info("building %s on the CPU: meta device failed (%s)", spec.get("arch"), e)
-        model, device = build_model(spec), "cpu"
-        uploaded = uploaded_numbers(spec) if spec["source"] == "method" else math.nan
+        (model, uploaded), device = _counted(spec), "cpu"
     return {"trainable": count_parameters(model), "total": count_parameters(model, trainable_only=False),
             "uploaded": uploaded, "status": OK, "device": device}
 

@@ -77,7 +77,16 @@ def _over_positions(x: Any) -> bool:
     return isinstance(x, Tensor) and x.dim() > 2
 
 
-# call -> (why strict mode refuses it on CUDA, whether this call is refused); torch 2.14's list, the calls models make
+def _floating_cumsum(a: tuple, k: dict) -> bool:
+    """A cumulative sum in a floating or complex dtype (its CUDA kernel is deterministic from torch 2.14 on only)."""
+    x, dtype = _arg(a, k, 0, "input"), _arg(a, k, 2, "dtype")
+    dtype = dtype if dtype is not None else (x.dtype if isinstance(x, Tensor) else None)
+    return dtype is not None and (dtype.is_floating_point or dtype.is_complex)
+
+
+# call -> (why strict mode refuses it on CUDA, whether this call is refused): the calls models make, from torch's list
+# in every release pyproject.toml admits (2.11 to 2.14: 2.14 made cumsum and max_pool3d's backward deterministic, so a
+# method using them would still stop on a GPU site's torch 2.11-2.13)
 _REFUSED: dict[Callable, tuple[str, Callable[[tuple, dict], bool]]] = {
     F.interpolate: ("interpolate's linear/bilinear/bicubic/trilinear backward",
                     lambda a, k: _arg(a, k, 3, "mode", "nearest") in ("linear", "bilinear", "bicubic", "trilinear")
@@ -89,6 +98,10 @@ _REFUSED: dict[Callable, tuple[str, Callable[[tuple, dict], bool]]] = {
     F.adaptive_avg_pool3d: ("adaptive_avg_pool3d's backward", lambda a, k: _grad(_arg(a, k, 0, "input"))),
     F.adaptive_max_pool2d: ("adaptive_max_pool2d's backward", lambda a, k: _grad(_arg(a, k, 0, "input"))),
     F.avg_pool3d: ("avg_pool3d's backward", lambda a, k: _grad(_arg(a, k, 0, "input"))),
+    F.max_pool3d: ("max_pool3d's backward (torch < 2.14)", lambda a, k: _grad(_arg(a, k, 0, "input"))),
+    torch.cumsum: ("cumsum in a floating dtype (torch < 2.14)", _floating_cumsum),
+    Tensor.cumsum: ("cumsum in a floating dtype (torch < 2.14)", _floating_cumsum),
+    Tensor.cumsum_: ("cumsum in a floating dtype (torch < 2.14)", _floating_cumsum),
     F.max_unpool1d: ("max_unpool1d", lambda a, k: True),
     F.max_unpool2d: ("max_unpool2d", lambda a, k: True),
     F.max_unpool3d: ("max_unpool3d", lambda a, k: True),
