@@ -44,9 +44,11 @@ a round scores its model with that average in place (after the round's aggregati
 personalised methods). The logit distillation is unchanged.
 
 Choices where the paper is silent (DEVIATIONS.md, FedHPL): the optimiser state persists across rounds
-(``keep_optimizer``, §1.7; then clients train one by one); the server uses the uploads of the round's
-clients only (the paper has all 5 every round); pad pixels start at zero (``pad_init``); the upload pass
-reuses the client's round batch order; logits travel in float32 and the server sums them in float64.
+(``keep_optimizer``, §1.7; ViT clients still train together in one pass, each with its own optimiser state,
+while ResNet clients then train one by one); the server uses the uploads of the round's clients only (the
+paper has all 5 every round); pad pixels start at zero (``pad_init``); the upload pass reads every training
+sample once, in index order (``ClientData.plain_batches``); logits travel in float32 and the server sums them
+in float64.
 +P / +H: a group's average goes to every client whose tensors have its shapes, also one that did not take
 part in the round (FedAvg within the group), and a group none of whose clients took part keeps its previous
 average; the kept optimiser state (momentum) is not averaged; ``upload_numbers`` counts every number sent,
