@@ -1,7 +1,8 @@
 """The CPU subset of scale smoke: one run per paper at the paper's backbone sizes (ViT-B/16 at 224 px for SGPT and
 FedHPL, CLIP ViT-B/16 for FedOTP, FedPFT's ResNet-8 at 32 px), so that the paper-only code paths (random-weight
 construction of the paper backbones, 32 -> 224 px resizing on the device, the papers' client counts and partition
-schemes, the synthetic analogues' shapes) run in every test suite.
+schemes, the synthetic analogues' shapes) run in every test suite, under the CPU proxy of CUDA's rules (bf16
+autocast, strict deterministic mode's refusals: ``cuda_rules_on_cpu``) but for FedHPL's run.
 
 Each run is the smoke scale's own (config/scales/smoke.yaml: its backbones, method params, partition scheme and
 client count) made CPU-sized: a few images of its synthetic analogue, one local epoch, one client trained, so a
@@ -9,6 +10,7 @@ ViT-B run forwards about ten images. What is cut is listed per run in CI_RUNS.
 """
 from __future__ import annotations
 
+import contextlib
 
 import numpy as np
 import pandas as pd
@@ -19,6 +21,7 @@ from fedcore.artifacts import build_artifact
 from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
 from fedcore.data.facts import SYNTHETIC, SyntheticSize
 from fedcore.data.synthetic import build_synthetic
+from fedcore.engine.precision import cuda_rules_on_cpu
 from fedcore.partition.make import make_partition
 from fedcore.partition.spec import num_clients
 from fedcore.plan import plan_run
@@ -78,8 +81,11 @@ def test_smoke_run_at_paper_backbone_size_on_cpu(paper, smoke, tmp_path):
         artifacts[name] = tmp_path / f"{key}.npz"
         torch.manual_seed(0)
         build_artifact(key, tmp_path / "data.npz", archs[0].partition(".")[0], None, artifacts[name], device="cpu")
-    train_run(params, plan.identity, tmp_path / "data.npz", tmp_path / "part.npz", plan.archs, None,
-              tmp_path / "m.parquet", tmp_path / "final.pt", device="cpu", progress=False, artifacts=artifacts)
+    # CUDA's rules (bf16 autocast, strict mode's refusals) on the paper-only paths; FedHPL's ViT-B run is SGPT's code
+    # path with other prompts, and bf16 matmuls on the CPU would double its time
+    with cuda_rules_on_cpu() if paper != "fedhpl" else contextlib.nullcontext():
+        train_run(params, plan.identity, tmp_path / "data.npz", tmp_path / "part.npz", plan.archs, None,
+                  tmp_path / "m.parquet", tmp_path / "final.pt", device="cpu", progress=False, artifacts=artifacts)
     metrics = pd.read_parquet(tmp_path / "m.parquet")
     assert set(metrics["round"]) == {1} and (metrics["scale"] == "smoke").all()
     acc = metrics.loc[metrics["metric"] == "acc", "value"]   # every client's and the global test accuracy
