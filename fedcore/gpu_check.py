@@ -2,12 +2,15 @@
 empty results directory, a sample of the smoke DAG, and the throughput benchmarks at paper shapes, each with a
 timeout; one summary (``summary.md`` + ``summary.json``) of pass/fail, wall times and the benchmark figures.
 
-Two phases, so that the whole check fits 10 minutes on one H100 (``PLAN_BUDGET_S``): the benchmarks one after another
-on a quiet GPU (their figures are undisturbed), then the GPU tests, the default pipeline and the smoke sample side
-by side (the cores split between the two pipelines; each is mostly launch-bound on small models). A step that fails
-or times out is recorded and the next one runs. Without CUDA, or with ``--dry``, no step runs: each is checked
-for plumbing instead (its files exist, every flag a benchmark is given is one it declares, each pipeline's
-``--config`` loads), and the summary says so.
+Three phases, so that the whole check fits 10 minutes on one H100 (``PLAN_BUDGET_S``, ``--budget``: a wall deadline;
+a step starting late gets only what is left): the benchmarks one after another on a quiet GPU (their figures are
+undisturbed); a preflight of strict deterministic mode (one run of each training path, seconds); then the GPU tests,
+the default pipeline and the smoke sample side by side (the cores split between the two pipelines; each is mostly
+launch-bound on small models). If the preflight shows that this machine's torch refuses a call in strict mode, the
+pipelines run with ``deterministic=false`` and the summary says which call, rather than every training job stopping
+at it. A step that fails or times out is recorded and the next one runs. Without CUDA, or with ``--dry``, no step
+runs: each is checked for plumbing instead (its files exist, every flag a benchmark is given is one it declares, each
+pipeline's ``--config`` loads), and the summary says so.
 
     python -m fedcore.gpu_check --out gpu_check                  # (scripts/gpu_check.sh sets up the packages)
     python -m fedcore.gpu_check --dry --out /tmp/gc              # plumbing only, on any machine
@@ -40,6 +43,10 @@ SMOKE_SAMPLE = ("sgpt_table3", "fedhpl_fig10", "fedotp_fig_a4", "fedpft_table5")
 #: the wall time the plan is sized for on one H100: set-up (scripts/gpu_check.sh) + the phases' timeouts
 PLAN_BUDGET_S = 600
 SETUP_S = 30
+#: tests/test_gpu.py's preflight: one run of each training path in strict deterministic mode
+PREFLIGHT_TESTS = "strict_mode_lets_each_training_path_run"
+#: torch's words when strict mode refuses a call on CUDA ("<op> does not have a deterministic implementation, ...")
+REFUSAL = re.compile(r"(\w+) does not have a deterministic implementation")
 
 
 @dataclass
@@ -113,14 +120,18 @@ def plan(out: Path, cores: int, smoke_outputs: str | list[str] = SMOKE_SAMPLE, p
                                       "--feature-epochs", "1", "--rounds", "1", "--only", "fedpft"], 40, "benchmark",
              "FedPFT round at paper shapes (40 ResNet-8 clients x 500 images, K = 65536), 1 of 5 epochs: "
              "one by one vs together"),
-        Step("gpu_tests", 2, py + ["-m", "pytest", "tests/test_gpu.py", "-o", "addopts=", "-q", "-p",
+        Step("strict_preflight", 2, py + ["-m", "pytest", "tests/test_gpu.py", "-k", PREFLIGHT_TESTS, "-x", "-o",
+                                          "addopts=", "-q", "-p", "no:cacheprovider"], 60, "pytest",
+             "strict deterministic mode on this machine's torch: one run of each training path (FedVPT, SGPT, FedOTP, "
+             "FedBN, FedPFT); a refusal turns the pipelines' deterministic off, said here"),
+        Step("gpu_tests", 3, py + ["-m", "pytest", "tests/test_gpu.py", "-o", "addopts=", "-q", "-p",
                                    "no:cacheprovider"], 330, "pytest",
              "tests/test_gpu.py on CUDA (every method and variant, 2 rounds each, and batched = one by one)"),
-        Step("default_pipeline", 2, py + ["-m", "snakemake", "--cores", str(default_cores),
+        Step("default_pipeline", 3, py + ["-m", "snakemake", "--cores", str(default_cores),
                                           *_config_args(default_cfg)], 340, "snakemake",
              f"the default pipeline (mini, headline outputs) on CUDA from an empty results directory, "
              f"{default_cores} cores", default_cfg, default_cfg["results"]),
-        Step("smoke", 2, py + ["-m", "snakemake", "--cores", str(smoke_cores), *_config_args(smoke_cfg)],
+        Step("smoke", 3, py + ["-m", "snakemake", "--cores", str(smoke_cores), *_config_args(smoke_cfg)],
              1200 if smoke_all else 300, "snakemake",
              f"scale smoke, outputs {'all' if smoke_all else ', '.join(smoke_outputs)} (synthetic data, random "
              f"weights), {smoke_cores} cores", smoke_cfg, smoke_cfg["results"]),
@@ -136,21 +147,34 @@ def plan_wall_s(steps: list[Step]) -> float:
     return total
 
 
-def fit_budget(steps: list[Step], budget_s: float, floor_s: float = 60.0) -> list[tuple[str, float, float]]:
-    """Cut the timeouts of the phases after the first (run side by side) so that the plan fits ``budget_s`` (a lent
-    GPU's per-call limit); phase 1's benchmarks keep theirs. Returns (step, old, new) for each step cut."""
-    phase1 = sum(s.timeout_s for s in steps if s.phase == 1)
-    later = sorted({s.phase for s in steps} - {1})
-    if not later or plan_wall_s(steps) <= budget_s:
-        return []
-    each = max(floor_s, (budget_s - SETUP_S - phase1) / len(later))  # what each later phase may take
+def cap_to_deadline(steps: list[Step], left_s: float, budget_s: float,
+                    floor_s: float = 10.0) -> list[tuple[str, float, float]]:
+    """Cut the timeouts of steps about to start to the ``left_s`` seconds left of the ``budget_s`` deadline (a lent
+    GPU's limit on one command), each noted in its description; (step, old, new) for each step cut."""
     cuts = []
     for s in steps:
-        if s.phase != 1 and s.timeout_s > each:
-            cuts.append((s.name, s.timeout_s, each))
-            s.timeout_s = each
-            s.what += f" (timeout cut from {cuts[-1][1]:.0f} s to fit the {budget_s:.0f} s budget)"
+        new = max(floor_s, left_s)
+        if s.timeout_s > new:
+            cuts.append((s.name, s.timeout_s, new))
+            s.what += f" (timeout cut from {s.timeout_s:.0f} s to {new:.0f} s: the {budget_s:.0f} s budget)"
+            s.timeout_s = new
     return cuts
+
+
+def without_strict_mode(steps: list[Step], op: str) -> None:
+    """The pipelines of ``steps`` run with ``deterministic=false`` because strict mode refused ``op`` here."""
+    for s in steps:
+        if s.kind == "snakemake":
+            s.config["deterministic"] = False
+            at = s.argv.index("--config")
+            s.argv[at:] = _config_args(s.config)
+            s.what += f" (deterministic=false: strict mode refused {op} in the preflight)"
+
+
+def strict_refusal_in(log: Path) -> str | None:
+    """The call that strict deterministic mode refused in a step's log, if it did."""
+    m = REFUSAL.search(log.read_text(errors="replace")) if log.exists() else None
+    return m.group(1) if m else None
 
 
 # ---- plumbing checks (--dry, or no CUDA) ------------------------------------------------------------------------
@@ -181,8 +205,14 @@ def check(step: Step, root: Path = ROOT) -> tuple[bool, str]:
         return (not unknown, f"{step.argv[1]} declares no {unknown}" if unknown
                 else f"{step.argv[1]} takes every flag given")
     if step.kind == "pytest":
-        missing = [a for a in step.argv if a.startswith("tests/") and not (root / a).exists()]
-        return not missing, f"missing {missing}" if missing else "test file present"
+        files = [a for a in step.argv if a.startswith("tests/")]
+        missing = [a for a in files if not (root / a).exists()]
+        if missing:
+            return False, f"missing {missing}"
+        chosen = step.argv[step.argv.index("-k") + 1] if "-k" in step.argv else None
+        if chosen and not any(f"def test_{chosen}" in (root / a).read_text() for a in files):
+            return False, f"no test in {files} is named test_{chosen}..."
+        return True, "test file present" + (f", test_{chosen}... in it" if chosen else "")
     from fedcore.config import ConfigError, load_config, read_yaml
 
     try:   # as Snakemake gives it: config/config.yaml, then --config
@@ -318,7 +348,7 @@ def write_summary(out: Path, mode: str, env: dict[str, str], results: list[Resul
     lines = [f"# GPU check: {state} ({mode})", "",
              f"{env['date']} on {env['host']}: GPU {env['gpu']} ({env['driver'] or 'no nvidia-smi'}), torch "
              f"{env['torch']} (CUDA {env['cuda']}), Python {env['python']}, {env['cpus']} CPUs, commit {env['commit']}.",
-             f"Planned for at most {budget_s:.0f} s (set-up + each phase's timeouts).", ""]
+             f"Planned for at most {budget_s:.0f} s (set-up + each phase's timeouts, within the deadline).", ""]
     if mode != "full":
         lines += [f"**Nothing ran on a GPU ({mode})**: each step's plumbing was checked instead.", ""]
     lines += ["| step | phase | status | wall s | timeout s | detail |", "|---|---|---|---|---|---|"]
@@ -357,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sgpt-official", default=None, type=Path,
                     help="a checkout of github.com/ubc-tea/SGPT: also time SGPT's round beside its model (+40 s)")
     ap.add_argument("--budget", type=float, default=None,
-                    help=f"seconds the whole check may take: later phases' timeouts are cut to fit (default "
-                         f"{PLAN_BUDGET_S}, none with --smoke-outputs all; 0: no cut)")
+                    help=f"seconds the whole check may take: a step starting late gets only what is left (default "
+                         f"{PLAN_BUDGET_S}, none with --smoke-outputs all; 0: no deadline)")
     ap.add_argument("--summary-to", default=None, help="also keep summary.md/json in this directory, rewritten as "
                                                        "the check goes (e.g. a folder that is collected)")
     a = ap.parse_args(argv)
@@ -368,9 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     smoke = "all" if a.smoke_outputs == "all" else [x for x in a.smoke_outputs.split(",") if x]
     steps = plan(out, a.cores, smoke, sgpt_official=a.sgpt_official.resolve() if a.sgpt_official else None)
     budget_s = a.budget if a.budget is not None else (0 if smoke == "all" else PLAN_BUDGET_S)
-    for name, old, new in fit_budget(steps, budget_s) if budget_s else []:
-        print(f"gpu_check: {name}'s timeout cut from {old:.0f} s to {new:.0f} s to fit the {budget_s:.0f} s budget")
-    for spec in a.timeout:   # given timeouts win over the budget
+    start = time.monotonic()
+    for spec in a.timeout:
         name, _, secs = spec.partition("=")
         hits = [s for s in steps if s.name == name]
         if not hits or not secs:
@@ -386,7 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     cuda = env["cuda_available"] == "True"
     mode = "full" if cuda and not a.dry else "dry" if a.dry else "no CUDA"
     results: list[Result] = []
-    budget = plan_wall_s(steps)
+    budget = min(plan_wall_s(steps), budget_s) if budget_s else plan_wall_s(steps)
+
+    def left(deadline_s: float, about_to_start: list[Step]) -> None:
+        """Cut the timeouts of steps about to start to what is left of the deadline (none when it is 0)."""
+        if deadline_s:
+            for name, old, new in cap_to_deadline(about_to_start, deadline_s - SETUP_S - (time.monotonic() - start),
+                                                   deadline_s):
+                print(f"gpu_check: {name}'s timeout cut from {old:.0f} s to {new:.0f} s (budget)", flush=True)
     order = [s.name for s in steps]
 
     def snapshot(partial: list[Result]) -> None:
@@ -409,10 +445,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"phase {phase}: {', '.join(s.name for s in todo)}", flush=True)
             if phase == 1:   # one by one: the benchmarks' figures undisturbed
                 for s in todo:
+                    left(budget_s, [s])
                     results += run_phase([s], out / "logs", snapshot)
                     snapshot([])
             else:
+                left(budget_s, todo)
                 results += run_phase(todo, out / "logs", snapshot)
+        refused = next((strict_refusal_in(Path(r.log)) for r in results
+                        if r.name == "strict_preflight" and r.status != "pass" and r.log), None)
+        if refused:   # every training job would stop at it: the pipelines still run, without strict mode
+            print(f"gpu_check: strict mode refused {refused}; the pipelines run with deterministic=false", flush=True)
+            without_strict_mode([s for s in steps if s.phase > phase], refused)
         results.sort(key=lambda r: order.index(r.name))
         write_summary(out, mode, env, results, budget, also)   # after every phase: a killed check leaves what it had
     md = write_summary(out, mode, env, results, budget, also)

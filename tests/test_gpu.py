@@ -166,6 +166,15 @@ SAME_TWICE = [p for p in EVERY_RUN if p.id in {"fedvpt", "sgpt", "fedotp", "fedb
 
 
 @pytest.mark.parametrize("experiment, method", SAME_TWICE)
+def test_strict_mode_lets_each_training_path_run_on_cuda(experiment, method, tiny_method_root, tmp_path):
+    """The GPU check's preflight (fedcore/gpu_check.py, ``PREFLIGHT_TESTS``): one round of each training path in
+    strict deterministic mode, the pipelines' default. A call this machine's torch refuses there fails here in
+    seconds, naming itself, before the pipelines start."""
+    result = tiny_run(experiment, method, tiny_method_root).train(tmp_path, rounds=1, device="cuda", batched=True)
+    validate_metrics(result.metrics, f"{method} in strict mode")
+
+
+@pytest.mark.parametrize("experiment, method", SAME_TWICE)
 def test_the_same_config_and_seed_give_the_same_numbers_on_cuda(experiment, method, tiny_method_root, tmp_path):
     """Config ``deterministic: true`` (the default) runs CUDA jobs in torch's strict deterministic mode
     (fedcore/runtime/determinism.py): two runs of one config and seed agree bit for bit, metrics and final states."""
