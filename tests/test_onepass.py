@@ -218,9 +218,10 @@ def test_the_cpu_takes_the_one_pass():
 
 
 @pytest.mark.parametrize("name", ["local", "coop", "fedotp"])
-def test_personalised_evaluation_in_one_pass_gives_the_same_predictions(clip, name):
+def test_personalised_evaluation_in_one_pass_gives_the_same_predictions(clip, name, monkeypatch):
     """Every client's own model scores the test set in one pass (``Evaluator.one_pass``): the predictions of one
-    client at a time, client for client (so every accuracy is the same)."""
+    client at a time, client for client (so every accuracy is the same). The clients' text features (CLIP prompts)
+    go through the text tower once for the whole split, not once per test batch."""
     from fedcore.engine import evaluate
     from fedcore.engine.evaluate import predict
 
@@ -247,8 +248,13 @@ def test_personalised_evaluation_in_one_pass_gives_the_same_predictions(clip, na
             alone.append(predict(method, model, split, idx, pipeline, 4))
         names = [k for k in method.keys(0) if plan.per_client is None or k in plan.per_client]
         stacked = {k: torch.stack([s[k].detach() for s in snaps]) for k in names}
+        text_passes = []
+        if not vit:
+            encode = clip.encode_text_with_context
+            monkeypatch.setattr(clip, "encode_text_with_context", lambda *a: text_passes.append(1) or encode(*a))
         together = evaluate.predict_clients(method, model, plan, stacked, split, idx, pipeline, 4)
     assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+    assert len(text_passes) == (0 if vit else 1)   # 4 test batches, one group of clients
     assert len({tuple(p.tolist()) for p in alone}) > 1  # the clients' models do differ
 
 

@@ -14,7 +14,7 @@ import torch
 
 from fedcore.engine.batching import OnePassEval, check_alike, one_pass_on
 from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
-from fedcore.engine.onepass import Owners, concat_batches, with_stacked
+from fedcore.engine.onepass import Owners, concat_batches, evaluation_scope, with_stacked
 from fedcore.engine.precision import rules_device
 from fedcore.engine.roles import module_state
 
@@ -62,14 +62,15 @@ def predict_clients(method, model, plan: OnePassEval, stacked: dict[str, torch.T
     k = len(next(iter(stacked.values())))
     out: list[list[torch.Tensor]] = [[] for _ in range(k)]
     predict = with_stacked(model, plan.predict)
-    for b in iterate_batches(split, indices, batch_size, pipeline):
-        for lo in range(0, k, CLIENTS_PER_PASS):
-            rows = tuple(range(lo, min(k, lo + CLIENTS_PER_PASS)))
-            owners = Owners(rows, (len(b.y),) * len(rows))
-            batch = b if len(rows) == 1 else concat_batches([b] * len(rows))
-            logits = predict(stacked, batch, owners)
-            for r, part in zip(rows, owners.split(logits)):
-                out[r].append(part.argmax(dim=1))
+    with evaluation_scope():   # batch-invariant work (CLIP prompts' text features) once per group of clients
+        for b in iterate_batches(split, indices, batch_size, pipeline):
+            for lo in range(0, k, CLIENTS_PER_PASS):
+                rows = tuple(range(lo, min(k, lo + CLIENTS_PER_PASS)))
+                owners = Owners(rows, (len(b.y),) * len(rows))
+                batch = b if len(rows) == 1 else concat_batches([b] * len(rows))
+                logits = predict(stacked, batch, owners)
+                for r, part in zip(rows, owners.split(logits)):
+                    out[r].append(part.argmax(dim=1))
     empty = torch.empty(0, dtype=torch.long, device=indices.device)
     return [torch.cat(p) if p else empty for p in out]
 

@@ -24,8 +24,10 @@ depend on the batch size (CPU, tests/test_onepass.py: bit for bit in fp32), floa
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +39,35 @@ from fedcore.engine.optim import OptimizerSpec, make_optimizer, optimizer_spec
 from fedcore.engine.precision import autocast_for
 
 _END = object()
+#: the open evaluation scope's cache of batch-invariant work (see ``batch_invariant``); None outside one
+_SCOPE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("one_pass_eval_scope", default=None)
+
+
+@contextlib.contextmanager
+def evaluation_scope() -> Iterator[None]:
+    """Within the block (one evaluation pass over a split, its stacked tensors alive throughout), work that does
+    not depend on the batch is done once: ``batch_invariant`` keeps its result until the block ends."""
+    token = _SCOPE.set({})
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def tensor_key(*tensors: Tensor) -> tuple:
+    """A key for tensors that stay alive within an evaluation scope: their storage, version and shape."""
+    return tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
+
+
+def batch_invariant(key: Hashable, compute: Callable[[], Any]) -> Any:
+    """``compute()``, kept for the open evaluation scope under ``key`` (a client's text features over every class,
+    the same for each test batch); computed afresh outside a scope or where a gradient is wanted (training)."""
+    cache = _SCOPE.get()
+    if cache is None or torch.is_grad_enabled():
+        return compute()
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
 
 
 @dataclass(frozen=True)

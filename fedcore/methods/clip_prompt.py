@@ -24,7 +24,7 @@ from fedcore.backbones.clip import text_length
 from fedcore.constraints import Flag, Int
 from fedcore.engine.batching import OnePass, OnePassEval, epochs_of_loss
 from fedcore.engine.data import Batch
-from fedcore.engine.onepass import Owners
+from fedcore.engine.onepass import Owners, batch_invariant, tensor_key
 from fedcore.engine.optim import autocast_for
 from fedcore.engine.roles import Client, Evaluator, Method, Payload, RoundInfo, Strategy, Together
 
@@ -79,7 +79,14 @@ class ContextPrompts(nn.Module):
 
     def client_text_features(self, owners: Owners) -> list[Tensor]:
         """One pass (each context stacked per client): each segment's client's (P, K, D) ``text_features``, all the
-        clients' P x K prompts through the text tower in one call."""
+        clients' P x K prompts through the text tower in one call; at evaluation once per group of clients, not per
+        test batch (``batch_invariant``)."""
+        stacked = [getattr(self, n) for n in self.names]
+        return batch_invariant(("client_text", id(self), owners.rows, tensor_key(*stacked)),
+                               lambda: self._client_text_features(owners))
+
+    def _client_text_features(self, owners: Owners) -> list[Tensor]:
+        """``client_text_features`` computed."""
         rows = [torch.stack(parts) for parts in zip(*(owners.of(getattr(self, n)) for n in self.names))]
         feats = self.clip.encode_text_with_context(torch.cat(rows), self.token_ids, self.token_eot, self.text_length)
         # normalised per client, as its one-by-one update does: the gradient that reaches each normalisation then has
@@ -92,7 +99,7 @@ class ContextPrompts(nn.Module):
 
     def text_features(self) -> Tensor:
         """(P, K, D) normalised fp32 text features of every prompt for every class; computed once per loaded
-        context when no gradient is wanted (evaluation: one text pass per client, not per batch)."""
+        context when no gradient is wanted (evaluation of a global prompt: one text pass, not one per batch)."""
         params = [getattr(self, n) for n in self.names]
         key = tuple((p.data_ptr(), p._version) for p in params)
         if not torch.is_grad_enabled() and self._cache is not None and self._cache[0] == key:
