@@ -107,9 +107,9 @@ class FedRoD(WholeModelMethod):
     Where the sources are silent or differ:
     * One optimiser (the experiment's) over the summed loss; PFLlib steps h_P with a second, plain SGD at the
       same lr (no momentum), Fling with the same one.
-    * n_c: counted once, from one pass over the client's training batches the first round it trains (a last
-      batch of one sample, which the engine skips for BatchNorm, is not counted; 500 samples at batch 100 have
-      none), kept in the client's state. A class with n_c = 0 gets logit -inf in L_BR (PFLlib, Fling).
+    * n_c: counted once, over every training sample of the client (``ClientData.plain_batches``: one pass in
+      order, no augmentation) the first round it trains, kept in the client's state. A class with n_c = 0 gets
+      logit -inf in L_BR (PFLlib, Fling).
     """
 
     name = "fedrod"

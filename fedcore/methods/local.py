@@ -32,8 +32,8 @@ class Local(PromptsOrBackbone):
 
     Every client trains every round (participation does not apply: there is no server to talk to),
     so each client gets ``rounds * local_epochs`` epochs, the usual reading of a Local baseline.
-    The optimiser is the experiment's, fresh every round (as every client here and in Fling, the FedPFT
-    authors' framework; PFLlib keeps one optimiser per client across rounds).
+    The optimiser is the experiment's, fresh every round (as in Fling, the FedPFT authors' framework; PFLlib
+    keeps one optimiser per client across rounds).
     """
 
     name = "local"
