@@ -1,6 +1,8 @@
 """GPU path (skipped without CUDA): device-resident data, bf16 autocast, the same numbers' shape as on CPU."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -9,6 +11,18 @@ from fedcore.report.aggregate import validate_metrics
 from fedcore.train import train_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _strict_mode_as_the_gpu_check_says(request, monkeypatch):
+    """The GPU check sets FEDCORE_GPU_TESTS_STRICT=0 when its preflight found a call that this machine's torch
+    refuses in strict mode: the tests then train without strict mode (as its pipelines then do), so that they still
+    show every method on CUDA; the tests of strict mode itself (marked ``strict``) keep it and fail, naming the call."""
+    if os.environ.get("FEDCORE_GPU_TESTS_STRICT", "1") == "0" and "strict" not in request.node.keywords:
+        import fedcore.train
+
+        real = fedcore.train.deterministic_kernels
+        monkeypatch.setattr(fedcore.train, "deterministic_kernels", lambda device, on=True: real(device, False))
 
 
 @pytest.mark.parametrize("method", ["fedvpt", "head_tune", "local"])
@@ -165,6 +179,7 @@ def test_clients_trained_together_on_cuda_equal_one_by_one(experiment, method, t
 SAME_TWICE = [p for p in EVERY_RUN if p.id in {"fedvpt", "sgpt", "fedotp", "fedbn", "fedpft"}]
 
 
+@pytest.mark.strict
 @pytest.mark.parametrize("experiment, method", SAME_TWICE)
 def test_strict_mode_lets_each_training_path_run_on_cuda(experiment, method, tiny_method_root, tmp_path):
     """The GPU check's preflight (fedcore/gpu_check.py, ``PREFLIGHT_TESTS``): one round of each training path in
@@ -174,6 +189,7 @@ def test_strict_mode_lets_each_training_path_run_on_cuda(experiment, method, tin
     validate_metrics(result.metrics, f"{method} in strict mode")
 
 
+@pytest.mark.strict
 @pytest.mark.parametrize("experiment, method", SAME_TWICE)
 def test_the_same_config_and_seed_give_the_same_numbers_on_cuda(experiment, method, tiny_method_root, tmp_path):
     """Config ``deterministic: true`` (the default) runs CUDA jobs in torch's strict deterministic mode

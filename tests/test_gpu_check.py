@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fedcore import gpu_check
-from fedcore.gpu_check import (PLAN_BUDGET_S, SETUP_S, SMOKE_SAMPLE, Step, cap_to_deadline, check, plan,
+from fedcore.gpu_check import (GPU_TESTS_STRICT, PLAN_BUDGET_S, SETUP_S, SMOKE_SAMPLE, Step, cap_to_deadline, check, plan,
                                 plan_wall_s, run_phase, strict_refusal_in, without_strict_mode, write_summary)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,8 +71,14 @@ def test_a_strict_mode_refusal_in_the_preflight_turns_the_pipelines_deterministi
             assert "strict mode refused cumsum_cuda_kernel" in s.what
             ok, why = check(s)
             assert ok and "training runs" in why, why
-        else:
-            assert "deterministic" not in " ".join(s.argv)   # the GPU tests say what strict mode does themselves
+        else:   # the GPU tests: without strict mode but in the tests of strict mode itself (tests/test_gpu.py)
+            assert "deterministic" not in " ".join(s.argv) and s.env == {GPU_TESTS_STRICT: "0"}
+    gpu_tests = (ROOT / "tests" / "test_gpu.py").read_text()
+    assert f'"{GPU_TESTS_STRICT}"' in gpu_tests
+    marked = re.findall(r"@pytest\.mark\.strict\n@pytest\.mark\.parametrize\([^)]*\)\ndef (test_\w+)", gpu_tests)
+    assert marked == ["test_strict_mode_lets_each_training_path_run_on_cuda",
+                      "test_the_same_config_and_seed_give_the_same_numbers_on_cuda"]
+    assert gpu_check.PREFLIGHT_TESTS in marked[0]
 
 
 def test_a_full_check_hands_the_preflights_refusal_to_the_pipelines(tmp_path, monkeypatch):
@@ -80,6 +87,8 @@ def test_a_full_check_hands_the_preflights_refusal_to_the_pipelines(tmp_path, mo
     py = sys.executable
     refusal = "RuntimeError: cumsum_cuda_kernel does not have a deterministic implementation, but you set it"
     steps = [Step("strict_preflight", 2, [py, "-c", f"raise SystemExit({refusal!r})"], 30, "pytest", "preflight"),
+             Step("gpu_tests", 3, [py, "-c", f"import os; print(os.environ.get({GPU_TESTS_STRICT!r}))"], 30,
+                  "pytest", "tests"),
              Step("default_pipeline", 3, [py, "-c", "import sys; print(' '.join(sys.argv[1:]))", "--config",
                                           "device=cuda"], 30, "snakemake", "pipeline", {"device": "cuda"},
                   str(tmp_path / "results_default"))]
@@ -90,6 +99,7 @@ def test_a_full_check_hands_the_preflights_refusal_to_the_pipelines(tmp_path, mo
     assert gpu_check.main(["--out", str(tmp_path)]) == 1                       # the preflight failed, and says so
     assert (tmp_path / "logs" / "default_pipeline.log").read_text().split() == ["--config", "device=cuda",
                                                                                "deterministic=False"]
+    assert (tmp_path / "logs" / "gpu_tests.log").read_text().split() == ["0"]
     md = (tmp_path / "summary.md").read_text()
     assert "| strict_preflight | 2 | fail |" in md and "| default_pipeline | 3 | pass |" in md
     assert "deterministic=false: strict mode refused cumsum_cuda_kernel in the preflight" in md
