@@ -460,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 left(budget_s, todo)
                 results += run_phase(todo, out / "logs", snapshot)
-        refused = next((strict_refusal_in(Path(r.log)) for r in results
-                        if r.name == "strict_preflight" and r.status != "pass" and r.log), None)
+        refused = next((strict_refusal_in(Path(r.log)) for r in results   # read once, after the preflight's phase
+                        if r.name == "strict_preflight" and r.phase == phase and r.status != "pass" and r.log), None)
         if refused:   # every training job would stop at it: the pipelines still run, without strict mode
             print(f"gpu_check: strict mode refused {refused}; the pipelines run with deterministic=false", flush=True)
             without_strict_mode([s for s in steps if s.phase > phase], refused)

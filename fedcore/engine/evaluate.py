@@ -49,8 +49,9 @@ class EvalSets:
 def predict(method, model, split: DeviceSplit, indices: torch.Tensor, pipeline: InputPipeline,
             batch_size: int) -> torch.Tensor:
     """Predicted labels for ``split`` at ``indices`` with ``model`` as it is loaded."""
-    out = [method.evaluator.predict(model, b).argmax(dim=1)
-           for b in iterate_batches(split, indices, batch_size, pipeline)]
+    with evaluation_scope():   # batch-invariant work (a CLIP prompt's text features) once for the split
+        out = [method.evaluator.predict(model, b).argmax(dim=1)
+               for b in iterate_batches(split, indices, batch_size, pipeline)]
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long, device=indices.device)
 
 

@@ -45,8 +45,8 @@ _SCOPE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("one_pass_e
 
 @contextlib.contextmanager
 def evaluation_scope() -> Iterator[None]:
-    """Within the block (one evaluation pass over a split, its stacked tensors alive throughout), work that does
-    not depend on the batch is done once: ``batch_invariant`` keeps its result until the block ends."""
+    """Within the block (one evaluation pass over a split, the model's or the stacked tensors alive throughout),
+    work that does not depend on the batch is done once: ``batch_invariant`` keeps its result until the block ends."""
     token = _SCOPE.set({})
     try:
         yield

@@ -66,7 +66,6 @@ class ContextPrompts(nn.Module):
         init = torch.randn(len(names), int(n_ctx), clip.text_width) * CTX_STD  # one draw, as the code's one tensor
         for name, row in zip(names, init, strict=True):
             self.register_parameter(name, nn.Parameter(row.clone()))
-        self._cache: tuple[tuple, Tensor] | None = None
 
     @property
     def logit_scale(self) -> float:
@@ -98,18 +97,17 @@ class ContextPrompts(nn.Module):
         return out
 
     def text_features(self) -> Tensor:
-        """(P, K, D) normalised fp32 text features of every prompt for every class; computed once per loaded
-        context when no gradient is wanted (evaluation of a global prompt: one text pass, not one per batch)."""
+        """(P, K, D) normalised fp32 text features of every prompt for every class; at evaluation once per loaded
+        context for the whole split (``batch_invariant``), not once per batch."""
         params = [getattr(self, n) for n in self.names]
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        if not torch.is_grad_enabled() and self._cache is not None and self._cache[0] == key:
-            return self._cache[1]
+        return batch_invariant(("text", id(self), tensor_key(*params)), self._text_features)
+
+    def _text_features(self) -> Tensor:
+        """``text_features`` computed."""
         feats = self.clip.encode_text_with_context(self.contexts(), self.token_ids, self.token_eot,
                                                   self.text_length)
         with fp32(feats):
-            feats = F.normalize(feats.float(), dim=-1)
-        self._cache = None if torch.is_grad_enabled() else (key, feats)
-        return feats
+            return F.normalize(feats.float(), dim=-1)
 
     def forward(self, tokens: Tensor, owners: Owners | None = None) -> Tensor:
         """Logits (B, K): CLS cosine with the (mean) prompt text feature, times CLIP's scale (``owners``: one pass,
