@@ -1,6 +1,6 @@
 # Helpers shared by the rule files (paths, wildcard constraints, per-run params, code inputs); rules live elsewhere.
 import fedcore
-from fedcore.code_inputs import code_files
+from fedcore.code_inputs import code_files, write_fingerprint
 from fedcore.data.registry import is_generated
 from fedcore.methods import method_module
 from fedcore.plan import arch_tag, experiment_backbones, method_artifacts, plan_run, weights_sha256
@@ -37,8 +37,10 @@ SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 def code(script, *modules):
     """A job's code inputs: the fedcore files its script imports and, with them, the modules `modules` its run loads
     by name (a method, an artifact kind, a pretraining objective, the partition schemes), all derived from the
-    imports (fedcore/code_inputs.py): an edit to one reruns the job, an edit to any other file reruns nothing."""
-    return [str(FEDCORE / f) for f in code_files(*modules, script=SCRIPTS / script)]
+    imports (fedcore/code_inputs.py), each as its code's fingerprint under results/code/: an edit to the code of one
+    reruns the job; an edit to any other file, or to comments and docstrings only, reruns nothing."""
+    return [str(write_fingerprint(FEDCORE / f, Path(RESULTS, "code", "fedcore", f"{f}.sha256"), f"fedcore/{f}"))
+            for f in code_files(*modules, script=SCRIPTS / script)]
 
 
 def dataset_file(dataset):

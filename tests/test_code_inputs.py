@@ -16,7 +16,7 @@ import yaml
 from fedcore.artifacts import artifact_module
 from fedcore.artifacts.select_queries import compute_select_queries
 from fedcore.backbones.pretrain import objective_module
-from fedcore.code_inputs import code_files, import_graph, script_modules
+from fedcore.code_inputs import ROOT as PACKAGE_DIR, code_files, fingerprint, import_graph, script_modules, write_fingerprint
 from fedcore.config import load_config
 from fedcore.methods import method_module
 from fedcore.methods.sgpt import QUERY
@@ -156,3 +156,68 @@ def test_scripts_and_graph_read_as_python_runs_them():
     assert "fedcore.estimate" in graph["fedcore.config.resolved"]                # a function's import counts too
     assert "fedcore.engine.roles" not in graph["fedcore.methods"]                # TYPE_CHECKING's never runs
     assert all(m in graph for targets in graph.values() for m in targets)
+
+
+MODULE = '''"""A module."""
+import os  # why
+
+
+def f(x):
+    """Doubles."""
+    return 2 * x  # twice
+
+
+class C:
+    "A class."
+    y = "not a docstring"
+'''
+
+
+@pytest.mark.parametrize("edit, same", [
+    (lambda s: "# a comment\n\n" + s + "\n\n", True),                          # comments, blank lines
+    (lambda s: s.replace("2 * x", "(2) * x").replace("  # twice", ""), True),     # layout
+    (lambda s: s.replace("A module.", "A reworded module.").replace("Doubles.", "Twice x.")
+                .replace("A class.", "Reworded."), True),                        # docstrings
+    (lambda s: s.replace("2 * x", "3 * x"), False),                               # what it computes
+    (lambda s: s.replace("not a docstring", "another value"), False),            # a string that is no docstring
+    (lambda s: s.replace("import os", "import sys"), False),
+    (lambda s: s.replace('"""A module."""', '"""A module."""\nprint(__doc__)'), False),
+])
+def test_a_modules_fingerprint_is_its_code(tmp_path, edit, same):
+    """Comments, layout and docstrings leave the fingerprint (a job's code input) as it is; any change to what the
+    module runs changes it."""
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text(MODULE)
+    b.write_text(edit(MODULE))
+    assert (fingerprint(a) == fingerprint(b)) is same
+
+
+def test_a_module_reading_docstrings_keeps_them_in_its_fingerprint(tmp_path):
+    """A module that reads ``__doc__`` may print it (gpu_check's --help): there a docstring edit is a code edit.
+    Reading another module's docstring would make that module's docstrings code too: no fedcore module does."""
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text(MODULE + "print(__doc__)\n")
+    b.write_text(MODULE.replace("A module.", "Reworded.") + "print(__doc__)\n")
+    assert fingerprint(a) != fingerprint(b)
+    readers = {str(f.relative_to(PACKAGE_DIR)) for f in PACKAGE_DIR.rglob("*.py")
+               if "__doc__" in f.read_text() or "getdoc" in f.read_text()}
+    assert readers == {"gpu_check.py", "code_inputs.py"}  # its own --help; the rule itself
+
+
+def test_a_fingerprint_file_is_rewritten_only_when_the_code_changes(tmp_path):
+    """New, it takes the module's time (outputs newer than the module stay up to date); untouched when it holds the
+    fingerprint (Snakemake then sees no newer input); rewritten now on a code edit."""
+    src, target = tmp_path / "m.py", tmp_path / "code" / "m.py.sha256"
+    src.write_text(MODULE)
+    os.utime(src, ns=(5, 5))
+    write_fingerprint(src, target, "m.py")
+    assert target.stat().st_mtime_ns == 5
+    os.utime(target, ns=(1, 1))
+    src.write_text(MODULE.replace("Doubles.", "Reworded."))
+    write_fingerprint.cache_clear()
+    write_fingerprint(src, target, "m.py")
+    assert target.stat().st_mtime_ns == 1 and target.read_text().startswith(fingerprint(src))
+    src.write_text(MODULE.replace("2 * x", "3 * x"))
+    write_fingerprint.cache_clear()
+    write_fingerprint(src, target, "m.py")
+    assert target.stat().st_mtime_ns > 1 and target.read_text().split()[0] == fingerprint(src)
