@@ -147,9 +147,22 @@ def _docstring_owner(node: ast.AST) -> bool:
     return isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
 
 
-def code_text(path: Path) -> str:
-    """A module's code as Python runs it: its AST written back as source, so comments, layout and docstrings (but in
-    a module that reads ``__doc__`` or calls ``getdoc``: it may print them) drop out."""
+def _canonical(node: object) -> str:
+    """A parsed node as text: its type and every field, without positions; empty fields left out, so a field that a
+    later Python adds empty (3.12's ``type_params``) changes nothing (``ast.dump`` and ``ast.unparse`` do differ
+    between 3.11 and 3.12, e.g. in an f-string's quotes)."""
+    if isinstance(node, ast.AST):
+        fields = ",".join(f"{name}={_canonical(value)}" for name, value in ast.iter_fields(node)
+                          if value is not None and value != [])
+        return f"{type(node).__name__}({fields})"
+    if isinstance(node, list):
+        return "[" + ",".join(map(_canonical, node)) + "]"
+    return repr(node)
+
+
+def code_tree(path: Path) -> ast.Module:
+    """A module's code as Python runs it: its AST, in which comments and layout have no place, without its
+    docstrings (kept in a module that reads ``__doc__`` or calls ``getdoc``: it may print them)."""
     source = path.read_text(encoding="utf-8")
     tree = ast.parse(source, str(path))
     if "__doc__" not in source and "getdoc" not in source:
@@ -158,13 +171,13 @@ def code_text(path: Path) -> str:
             if _docstring_owner(node) and body and isinstance(body[0], ast.Expr) \
                     and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
                 node.body = body[1:] or [ast.Pass()]
-    return ast.unparse(tree)
+    return tree
 
 
 def fingerprint(path: Path) -> str:
-    """The sha256 of a module's code (``code_text``): equal for two files that differ only in comments, layout or
-    docstrings."""
-    return hashlib.sha256(code_text(path).encode("utf-8")).hexdigest()
+    """The sha256 of a module's code (``code_tree``): equal for two files that differ only in comments, layout or
+    docstrings, and the same under Python 3.11 and 3.12."""
+    return hashlib.sha256(_canonical(code_tree(path)).encode("utf-8")).hexdigest()
 
 
 @lru_cache(maxsize=None)
