@@ -186,8 +186,9 @@ def write_fingerprint(source: Path, target: Path, label: str) -> Path:
     holds it: the rule input that stands for ``source`` (named ``label`` in the file).
 
     A new fingerprint file takes the module's own time, so outputs built after the module's last edit stay up to
-    date (a results directory from before fingerprints, or one whose results/code/ was deleted, reruns nothing that
-    the module files themselves would not have rerun); a changed fingerprint is written now, newer than every output.
+    date (deleting results/code/ reruns nothing that the module files themselves would not rerun); a changed
+    fingerprint is written now, newer than every output. (A results directory from before fingerprints reruns
+    every job once: Snakemake sees each rule's set of input files changed.)
     """
     line = f"{fingerprint(source)}  {label} (its code without comments, layout or docstrings)\n"
     new = not target.is_file()
