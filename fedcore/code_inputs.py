@@ -196,5 +196,6 @@ def write_fingerprint(source: Path, target: Path, label: str) -> Path:
         with atomic_path(target) as tmp:
             tmp.write_text(line, encoding="utf-8")
             if new:
-                os.utime(tmp, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns))
+                st = source.stat()
+                os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
     return target
