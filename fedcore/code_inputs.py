@@ -8,6 +8,9 @@ fedcore module they import, at module level or inside a function (not under ``TY
 with the packages above each (their ``__init__.py`` runs first). The graph is read from the source (a static AST
 walk over fedcore/, once per process), so nothing is imported to compute it.
 
+The script itself is a code input too, by the same fingerprint (rules/common.smk ``code``): the profiles turn off
+Snakemake's ``code`` trigger, which compares a script's time, not its code.
+
 The scripts' own helpers (workflow/scripts/_log.py, _gpu.py) are workflow glue: where a job logs and which GPU it
 takes change no output, so their fedcore modules (runtime.joblog, runtime.jobtime, runtime.gpu_slots) are not code
 inputs.

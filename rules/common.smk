@@ -35,12 +35,17 @@ SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 
 
 def code(script, *modules):
-    """A job's code inputs: the fedcore files its script imports and, with them, the modules `modules` its run loads
-    by name (a method, an artifact kind, a pretraining objective, the partition schemes), all derived from the
-    imports (fedcore/code_inputs.py), each as its code's fingerprint under results/code/: an edit to the code of one
-    reruns the job; an edit to any other file, or to comments and docstrings only, reruns nothing."""
-    return [str(write_fingerprint(FEDCORE / f, Path(RESULTS, "code", "fedcore", f"{f}.sha256"), f"fedcore/{f}"))
-            for f in code_files(*modules, script=SCRIPTS / script)]
+    """A job's code inputs: its workflow script, the fedcore files that script imports and, with them, the modules
+    `modules` its run loads by name (a method, an artifact kind, a pretraining objective, the partition schemes), all
+    derived from the imports (fedcore/code_inputs.py), each as its code's fingerprint under results/code/: an edit to
+    the code of one reruns the job; an edit to any other file, or to comments and docstrings only, reruns nothing.
+    (The script's fingerprint stands in for Snakemake's `code` trigger, which compares the script's time: the
+    profiles turn that trigger off.)"""
+    own = write_fingerprint(SCRIPTS / script, Path(RESULTS, "code", "workflow", "scripts", f"{script}.sha256"),
+                            f"workflow/scripts/{script}")
+    return [str(own), *(str(write_fingerprint(FEDCORE / f, Path(RESULTS, "code", "fedcore", f"{f}.sha256"),
+                                              f"fedcore/{f}"))
+                        for f in code_files(*modules, script=SCRIPTS / script))]
 
 
 def dataset_file(dataset):

@@ -206,7 +206,8 @@ def test_a_fingerprint_is_the_same_on_every_python(tmp_path):
 
 def test_a_module_reading_docstrings_keeps_them_in_its_fingerprint(tmp_path):
     """A module that reads ``__doc__`` may print it (gpu_check's --help): there a docstring edit is a code edit.
-    Reading another module's docstring would make that module's docstrings code too: no fedcore module does."""
+    Reading another module's docstring would make that module's docstrings code too: no fedcore module or workflow
+    script does."""
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text(MODULE + "print(__doc__)\n")
     b.write_text(MODULE.replace("A module.", "Reworded.") + "print(__doc__)\n")
@@ -214,6 +215,8 @@ def test_a_module_reading_docstrings_keeps_them_in_its_fingerprint(tmp_path):
     readers = {str(f.relative_to(PACKAGE_DIR)) for f in PACKAGE_DIR.rglob("*.py")
                if "__doc__" in f.read_text() or "getdoc" in f.read_text()}
     assert readers == {"gpu_check.py", "code_inputs.py"}  # its own --help; the rule itself
+    assert not [f for f in (PACKAGE_DIR.parent / "workflow" / "scripts").glob("*.py")
+                if "__doc__" in f.read_text() or "getdoc" in f.read_text()]
 
 
 def test_a_fingerprint_file_is_rewritten_only_when_the_code_changes(tmp_path):

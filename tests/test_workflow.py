@@ -255,9 +255,10 @@ def test_editing_any_file_a_training_job_imports_reruns_it(workspace):
 
 
 def test_editing_only_comments_docstrings_or_layout_reruns_nothing(workspace):
-    """Every fedcore file given new comments and blank lines and its module docstring reworded, at once: the
-    code's fingerprints are unchanged, so nothing reruns (a docstring fix in the engine must not retrain every run)."""
-    files = sorted((workspace / "fedcore").rglob("*.py"))
+    """Every fedcore file and workflow script given new comments and blank lines and its module docstring reworded,
+    at once: the code's fingerprints are unchanged, so nothing reruns (a docstring fix in the engine must not retrain
+    every run; nor a comment in train.py, which Snakemake's own `code` trigger, off in the profiles, would see)."""
+    files = sorted([*(workspace / "fedcore").rglob("*.py"), *(workspace / "workflow" / "scripts").glob("*.py")])
     originals = {f: f.read_text() for f in files}
     try:
         for f, text in originals.items():
@@ -272,6 +273,57 @@ def test_editing_only_comments_docstrings_or_layout_reruns_nothing(workspace):
         for f, text in originals.items():
             f.write_text(text)
     assert jobs == []
+
+
+def _rule_scripts(work: Path) -> dict[str, str]:
+    """Each rule's workflow script (its `script:`), read from the rule files."""
+    out = {}
+    for f in (work / "rules").glob("*.smk"):
+        for block in re.split(r"^(?=(?:local)?rule \w+:)", f.read_text(), flags=re.M):
+            rule, script = re.match(r"(?:local)?rule (\w+):", block), re.search(r'script:\s*"[./]*workflow/scripts/([\w.]+)"', block)
+            if rule and script:
+                out[rule.group(1)] = script.group(1)
+    return out
+
+
+def _job_blocks(stdout: str) -> list[tuple[str, str]]:
+    """(rule, text) of every job a dry run prints."""
+    return [(m.group(1), b) for b in re.split(r"^(?=(?:local)?rule \w+:)", stdout, flags=re.M)
+            if (m := re.match(r"(?:local)?rule (\w+):", b))]
+
+
+def test_every_job_declares_its_scripts_fingerprint(workspace):
+    """Each job of the whole DAG has its own workflow script's fingerprint among its inputs: with Snakemake's `code`
+    trigger off (the profiles), that input is what reruns a job whose script's code changed."""
+    out = _snakemake(workspace, "-n", "--forceall")
+    assert out.returncode == 0, out.stderr[-3000:]
+    by_rule, blocks = _rule_scripts(workspace), _job_blocks(out.stdout)
+    assert {r for r, _ in blocks} >= {"train", "table", "figure", "partition", "pretrain_backbone", "summary"}
+    for rule, block in blocks:
+        if rule == "all":  # the targets: no script
+            continue
+        inputs = re.search(r"input: (.*)", block).group(1).split(", ")
+        assert f"results/code/workflow/scripts/{by_rule[rule]}.sha256" in inputs, (rule, inputs)
+
+
+def test_editing_a_workflow_scripts_code_reruns_its_jobs(workspace):
+    """train.py's code edited: every training job reruns for it (its fingerprint updated), nothing before training."""
+    src = workspace / "workflow" / "scripts" / "train.py"
+    original = src.read_bytes()
+    try:
+        src.write_bytes(original + CODE_EDIT.encode())
+        out = _snakemake(workspace, "-n")
+        assert out.returncode == 0, out.stderr[-3000:]
+    finally:
+        src.write_bytes(original)
+    blocks = _job_blocks(out.stdout)
+    trains = [b for r, b in blocks if r == "train"]
+    assert len(trains) == len(MICRO_EXPERIMENTS) * len(MICRO_METHODS) + 1
+    assert not {r for r, _ in blocks} & TRAINING_RULES
+    for block in trains:
+        updated = re.search(r"reason: Updated input files: ([^;\n]*)", block).group(1).split(", ")
+        assert updated == ["results/code/workflow/scripts/train.py.sha256"], updated
+    assert _planned_jobs(workspace) == []   # restored: nothing left to do
 
 
 def test_editing_code_no_training_job_imports_reruns_no_training(workspace):

@@ -5,8 +5,9 @@ Kept apart from test_workflow.py so a second pytest worker can take them while t
 from __future__ import annotations
 
 import pytest
+import yaml
 
-from test_workflow import MICRO_METHODS, _planned_jobs, _snakemake, _train_jobs, micro_copy
+from test_workflow import MICRO_METHODS, ROOT, _planned_jobs, _snakemake, _train_jobs, micro_copy
 
 
 @pytest.fixture(scope="module")
@@ -33,3 +34,11 @@ def test_bad_config_fails_before_any_job(micro_dir):
     out = _snakemake(micro_dir, "-n", "--config", "scale=huge")
     assert out.returncode != 0
     assert "at scale: 'huge' is not one of ['mini', 'paper', 'smoke']" in out.stdout + out.stderr
+
+
+def test_both_profiles_leave_script_reruns_to_fingerprints():
+    """Snakemake's `code` trigger reruns a script's jobs when the script's time changes (a comment, a checkout): both
+    profiles turn it off and keep the others; the scripts' fingerprints (rules/common.smk `code`) rerun on code."""
+    for name in ("default", "slurm"):
+        triggers = yaml.safe_load((ROOT / "profiles" / name / "config.yaml").read_text())["rerun-triggers"]
+        assert triggers == ["mtime", "params", "input", "software-env"], name
