@@ -5,6 +5,9 @@
 #   sudo scripts/slurm_localhost.sh status    daemons, sinfo
 #   sudo scripts/slurm_localhost.sh stop      stop the daemons this script started (state and database are kept)
 #
+# After `stop`, each snakemake call waits 10 s for `scontrol` (the SLURM executor plugin asks it at import):
+# start the daemons again, or remove the packages, before timing anything.
+#
 # start is idempotent: packages already installed are not reinstalled, a daemon already running is left alone,
 # and the configuration is rewritten only when it changed (the SLURM daemons are then restarted).
 #
