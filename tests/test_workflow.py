@@ -287,7 +287,8 @@ def _rule_scripts(work: Path) -> dict[str, str]:
     out = {}
     for f in (work / "rules").glob("*.smk"):
         for block in re.split(r"^(?=(?:local)?rule \w+:)", f.read_text(), flags=re.M):
-            rule, script = re.match(r"(?:local)?rule (\w+):", block), re.search(r'script:\s*"[./]*workflow/scripts/([\w.]+)"', block)
+            rule = re.match(r"(?:local)?rule (\w+):", block)
+            script = re.search(r'script:\s*"[./]*workflow/scripts/([\w.]+)"', block)
             if rule and script:
                 out[rule.group(1)] = script.group(1)
     return out
