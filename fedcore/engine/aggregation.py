@@ -1,4 +1,5 @@
-"""Server-side arithmetic shared by methods: weighted averaging and server momentum; and label counting."""
+"""Server-side arithmetic shared by methods: weighted averaging, SGPT's moving average of server tensors (its "momentum",
+not FedAvgM's momentum on the averaged update: that is a strategy's own ``aggregate``); and label counting."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -36,7 +37,9 @@ def weighted_average(states: Sequence[Mapping[str, Any]], weights: Sequence[floa
 
 def server_momentum(previous: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor],
                     beta: float) -> dict[str, torch.Tensor]:
-    """Exponential moving average beta * previous + (1 - beta) * current (SGPT Eq. 7)."""
+    """Exponential moving average beta * previous + (1 - beta) * current (SGPT Eq. 7) of two states. Not the server
+    momentum of FedAvgM (Hsu et al. 2019: v = beta * v + (global - average), global -= server_lr * v), which keeps
+    its buffer in the server state."""
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"momentum must lie in [0, 1], got {beta}")
     return {n: beta * previous[n] + (1.0 - beta) * current[n] for n in current}

@@ -25,7 +25,8 @@ each client's complete state and the server state (both checkpointed every round
 
 A ``Method`` is the recipe: its params, the trainable model around a frozen backbone (``build``), the
 per-sample artifacts it needs (``artifacts``), the other dataset bundles it reads (``extra_datasets``: e.g.
-FedMD's public data, handed over by ``attach_dataset``), and which role classes it uses.
+FedMD's public data, handed over by ``attach_dataset``), and which role classes it uses (``client_role``,
+``strategy_role``, ``evaluator_role``). A role reads the run's params as ``self.params``.
 """
 from __future__ import annotations
 
@@ -344,6 +345,8 @@ class Method:
     #: one constraint per param (fedcore.constraints: ranges, choices, block indices, limits that depend on the
     #: run), checked for every run when the config loads, before any job; its context-free part again at build
     param_rules: ClassVar[dict[str, Constraint]] = {}
+    #: the role classes this method uses (a method file sets only those it overrides, e.g. ``strategy_role =
+    #: MyServer`` with ``class MyServer(Strategy)``); each is built once per run with the recipe as ``self.method``
     client_role: ClassVar[type[Client]] = Client
     strategy_role: ClassVar[type[Strategy]] = Strategy
     evaluator_role: ClassVar[type[Evaluator]] = Evaluator
