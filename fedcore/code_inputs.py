@@ -11,9 +11,10 @@ walk over fedcore/, once per process), so nothing is imported to compute it.
 The script itself is a code input too, by the same fingerprint (rules/common.smk ``code``): the profiles turn off
 Snakemake's ``code`` trigger, which compares a script's time, not its code.
 
-The scripts' own helpers (workflow/scripts/_log.py, _gpu.py) are workflow glue: where a job logs and which GPU it
-takes change no output, so their fedcore modules (runtime.joblog, runtime.jobtime, runtime.gpu_slots) are not code
-inputs.
+The scripts' own helpers (workflow/scripts/_log.py, _gpu.py, _checkout.py) are workflow glue: where a job logs and
+which GPU it takes change no output, and _checkout only makes the job import the fedcore these inputs fingerprint
+(the checkout's own), so they and their fedcore modules (runtime.joblog, runtime.jobtime, runtime.gpu_slots) are not
+code inputs.
 
 A rule's input is not the module file itself but its fingerprint (``write_fingerprint``): the sha256 of the code
 Python runs (the parsed module without comments, layout or docstrings), kept in a small file under

@@ -377,7 +377,11 @@ def test_every_configured_run_is_read_by_some_table_or_figure(scale):
     configured = {(e, m) for e, x in cfg.experiments.items() for m in x["methods"]}
     read = set().union(*[output_runs(n, cfg.tables, cfg.figures, cfg.experiments)
                          for n in list(cfg.tables) + list(cfg.figures)])
-    assert configured and sorted(configured - read) == []
+    unread = sorted(configured - read)
+    assert configured and not unread, (
+        f"at scale {scale}, no table, figure or probe reads these (experiment, method) runs, so no `outputs` choice "
+        f"trains them: {unread}. Add each to a table's `rows:` or a figure of config/reports/<paper>.yaml "
+        "(README, Adding a method), or drop it from the experiment's `methods:`")
 
 
 def test_a_best_window_needs_every_round_evaluated(tmp_path):

@@ -1,4 +1,5 @@
 """Shared by the scripts of jobs that declare a GPU: take a free one of the machine before CUDA starts."""
+import _checkout  # noqa: F401  (first: this checkout's fedcore)
 from fedcore.runtime.gpu_slots import claim_for_job
 
 

@@ -1,5 +1,6 @@
 """Shared by the thin scripts: send logging and warnings of one job to its Snakemake log file, and record the job's
 own CPU and wall time beside it at exit (fedcore/runtime/jobtime.py; the report's summary sums the training jobs')."""
+import _checkout  # noqa: F401  (first: this checkout's fedcore)
 import logging
 import sys
 
