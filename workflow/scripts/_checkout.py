@@ -1,7 +1,8 @@
 """Shared by the thin scripts, imported before any fedcore module: a job runs the fedcore of the checkout whose
 Snakefile planned it (the code its code inputs fingerprint). Snakemake puts the Snakefile's directory first on the path
-when it reads the workflow, but a script job only appends it, after an installed fedcore (an editable install of
-another clone would win there, and the job would silently run that clone's code)."""
+when it reads the workflow, but a script job only appends it, after site-packages and PYTHONPATH: a non-editable
+install, a compat-mode editable install of another clone or PYTHONPATH would win there, and the job would silently
+run that code (tests/test_job_checkout.py)."""
 import sys
 from pathlib import Path
 
