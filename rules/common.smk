@@ -41,11 +41,13 @@ def code(script, *modules):
     the code of one reruns the job; an edit to any other file, or to comments and docstrings only, reruns nothing.
     (The script's fingerprint stands in for Snakemake's `code` trigger, which compares the script's time: the
     profiles turn that trigger off.)"""
-    own = write_fingerprint(SCRIPTS / script, Path(RESULTS, "code", "workflow", "scripts", f"{script}.sha256"),
-                            f"workflow/scripts/{script}")
-    return [str(own), *(str(write_fingerprint(FEDCORE / f, Path(RESULTS, "code", "fedcore", f"{f}.sha256"),
-                                              f"fedcore/{f}"))
-                        for f in code_files(*modules, script=SCRIPTS / script))]
+    return [fingerprint_file(SCRIPTS / script, f"workflow/scripts/{script}"),
+            *(fingerprint_file(FEDCORE / f, f"fedcore/{f}") for f in code_files(*modules, script=SCRIPTS / script))]
+
+
+def fingerprint_file(source, name):
+    """The fingerprint of `source`'s code, results/code/<name>.sha256 (written when the code changed)."""
+    return str(write_fingerprint(source, Path(RESULTS, "code", f"{name}.sha256"), name))
 
 
 def dataset_file(dataset):
