@@ -26,8 +26,11 @@ rerun every training job (thousands of GPU-hours).
 from __future__ import annotations
 
 import ast
+import atexit
 import hashlib
+import json
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -53,8 +56,29 @@ def _under_type_checking(test: ast.expr) -> bool:
     return isinstance(test, (ast.Name, ast.Attribute)) and ast.unparse(test).endswith("TYPE_CHECKING")
 
 
-def _imported(tree: ast.Module, module: str, is_package: bool, known: dict[str, Path]) -> set[str]:
-    """The fedcore modules a module's source imports, anywhere but under ``if TYPE_CHECKING:``."""
+def _import_records(tree: ast.Module) -> list[tuple[int, str, tuple[str, ...]]]:
+    """Every fedcore import a module's source makes, anywhere but under ``if TYPE_CHECKING:``, as written: (level,
+    module, names), ``import a.b`` as (0, "a.b", ()); a relative one is resolved against its module by ``_imported``."""
+    found: list[tuple[int, str, tuple[str, ...]]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _under_type_checking(child.test):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((0, a.name, ()) for a in child.names if a.name.split(".")[0] == PACKAGE)
+            elif isinstance(child, ast.ImportFrom) and (child.level or (child.module or "").split(".")[0] == PACKAGE):
+                found.append((child.level, child.module or "", tuple(a.name for a in child.names)))
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _imported(records, module: str, is_package: bool, known: dict[str, Path]) -> set[str]:
+    """The fedcore modules a module imports: its ``_import_records`` resolved against the module and the package."""
     package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
 
@@ -64,29 +88,16 @@ def _imported(tree: ast.Module, module: str, is_package: bool, known: dict[str, 
         if name:
             found.add(name)
 
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _under_type_checking(child.test):
-                for other in child.orelse:
-                    visit(other)
-                continue
-            if isinstance(child, ast.Import):
-                for alias in child.names:
-                    if alias.name.split(".")[0] == PACKAGE:
-                        resolve(alias.name)
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:  # relative: from the importing module's package
-                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                if base.split(".")[0] == PACKAGE:
-                    resolve(base)
-                    for alias in child.names:  # `from package import submodule`
-                        if f"{base}.{alias.name}" in known:
-                            found.add(f"{base}.{alias.name}")
-            visit(child)
-
-    visit(tree)
+    for level, base, names in records:
+        if level:  # relative: from the importing module's package
+            anchor = package.split(".")[: len(package.split(".")) - level + 1]
+            base = ".".join(anchor + ([base] if base else []))
+        if base.split(".")[0] != PACKAGE:
+            continue
+        resolve(base)
+        for name in names:  # `from package import submodule`
+            if f"{base}.{name}" in known:
+                found.add(f"{base}.{name}")
     found.discard(module)
     return found
 
@@ -95,7 +106,7 @@ def _imported(tree: ast.Module, module: str, is_package: bool, known: dict[str, 
 def import_graph(root: Path = ROOT) -> dict[str, frozenset[str]]:
     """Every fedcore module -> the fedcore modules its source imports (module level and inside functions)."""
     known = _module_names(root)
-    return {m: frozenset(_imported(ast.parse(p.read_text(encoding="utf-8"), str(p)), m, p.name == "__init__.py", known))
+    return {m: frozenset(_imported(source_facts(p)["imports"], m, p.name == "__init__.py", known))
             for m, p in known.items()}
 
 
@@ -164,11 +175,8 @@ def _canonical(node: object) -> str:
     return repr(node)
 
 
-def code_tree(path: Path) -> ast.Module:
-    """A module's code as Python runs it: its AST, in which comments and layout have no place, without its
-    docstrings (kept in a module that reads ``__doc__`` or calls ``getdoc``: it may print them)."""
-    source = path.read_text(encoding="utf-8")
-    tree = ast.parse(source, str(path))
+def _strip_docstrings(tree: ast.Module, source: str) -> ast.Module:
+    """``tree`` without its docstrings, unless ``source`` reads ``__doc__`` or calls ``getdoc`` (it may print them)."""
     if "__doc__" not in source and "getdoc" not in source:
         for node in ast.walk(tree):
             body = getattr(node, "body", None)
@@ -178,10 +186,81 @@ def code_tree(path: Path) -> ast.Module:
     return tree
 
 
+def code_tree(path: Path) -> ast.Module:
+    """A module's code as Python runs it: its AST, in which comments and layout have no place, without its
+    docstrings (kept in a module that reads ``__doc__`` or calls ``getdoc``: it may print them)."""
+    source = path.read_text(encoding="utf-8")
+    return _strip_docstrings(ast.parse(source, str(path)), source)
+
+
+def _facts(data: bytes, name: str) -> dict:
+    """What one parse of a source gives: its code's fingerprint and its fedcore imports (``_import_records``)."""
+    source = data.decode("utf-8")
+    tree = ast.parse(source, name)
+    imports = _import_records(tree)  # read before the docstrings are cut from the tree
+    digest = hashlib.sha256(_canonical(_strip_docstrings(tree, source)).encode("utf-8")).hexdigest()
+    return {"fingerprint": digest, "imports": imports}
+
+
+# A source's facts depend on its bytes alone (given this module and Python's parser: the cache's version), so they are
+# memoised by the bytes' sha256, in this process and, once ``keep_facts_in`` names a file, between processes: every
+# `snakemake` call (each dry run, each SLURM job) would otherwise parse the whole package again (about 3 s).
+_FACTS: dict[str, dict] = {}
+_USED: set[str] = set()
+_STORE: dict = {"file": None, "dirty": False}
+
+
+def _cache_version() -> str:
+    """This module's own source and Python's version: facts computed under another of either are not reused."""
+    return hashlib.sha256(Path(__file__).read_bytes() + repr(sys.version_info[:2]).encode()).hexdigest()
+
+
+def source_facts(path: Path) -> dict:
+    """A source file's fingerprint (``fingerprint``) and fedcore imports, computed once per distinct content."""
+    data = path.read_bytes()
+    key = hashlib.sha256(data).hexdigest()
+    _USED.add(key)
+    if key not in _FACTS:
+        _FACTS[key] = _facts(data, str(path))
+        _STORE["dirty"] = True
+    return _FACTS[key]
+
+
+def keep_facts_in(file: Path) -> None:
+    """Reuse the source facts saved in ``file`` (ignored when unreadable or of another version) and, at exit, save
+    there those this process read, if it had to compute any."""
+    file = Path(file)
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+        if saved["version"] == _cache_version():
+            for key, v in saved["facts"].items():
+                imports = [(int(level), str(base), tuple(map(str, names))) for level, base, names in v["imports"]]
+                _FACTS.setdefault(key, {"fingerprint": str(v["fingerprint"]), "imports": imports})
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # computed again, and saved afresh
+    if _STORE["file"] is None:
+        atexit.register(_save_facts)
+    _STORE["file"] = file
+
+
+def _save_facts() -> None:
+    """Write the facts of the sources this process read to the ``keep_facts_in`` file (atomically), if any were new."""
+    file = _STORE["file"]
+    if file is None or not _STORE["dirty"]:
+        return
+    doc = {"version": _cache_version(), "facts": {k: _FACTS[k] for k in sorted(_USED)}}
+    try:
+        with atomic_path(file) as tmp:
+            tmp.write_text(json.dumps(doc), encoding="utf-8")
+        _STORE["dirty"] = False
+    except OSError:
+        pass  # e.g. a read-only results directory: parsed again next time
+
+
 def fingerprint(path: Path) -> str:
     """The sha256 of a module's code (``code_tree``): equal for two files that differ only in comments, layout or
     docstrings, and the same under Python 3.11 and 3.12."""
-    return hashlib.sha256(_canonical(code_tree(path)).encode("utf-8")).hexdigest()
+    return source_facts(path)["fingerprint"]
 
 
 @lru_cache(maxsize=None)

@@ -1,6 +1,6 @@
 # Helpers shared by the rule files (paths, wildcard constraints, per-run params, code inputs); rules live elsewhere.
 import fedcore
-from fedcore.code_inputs import code_files, write_fingerprint
+from fedcore.code_inputs import code_files, keep_facts_in, write_fingerprint
 from fedcore.data.registry import is_generated
 from fedcore.methods import method_module
 from fedcore.plan import arch_tag, experiment_backbones, method_artifacts, plan_run, weights_sha256
@@ -32,6 +32,8 @@ FEDCORE = workdir_relative(Path(fedcore.__file__).parent)
 CHECKSUMS = str(workdir_relative(CFG.checksums_path))  # a param of the data rules
 
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
+# each source's parsed facts (fingerprint, imports) by its bytes' digest: a later `snakemake` call parses only what changed
+keep_facts_in(Path(RESULTS, "code", "cache.json"))
 
 
 def code(script, *modules):

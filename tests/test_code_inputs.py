@@ -236,3 +236,70 @@ def test_a_fingerprint_file_is_rewritten_only_when_the_code_changes(tmp_path):
     write_fingerprint.cache_clear()
     write_fingerprint(src, target, "m.py")
     assert target.stat().st_mtime_ns > 1 and target.read_text().split()[0] == fingerprint(src)
+
+
+@pytest.fixture
+def fresh_facts(monkeypatch):
+    """The module's memo of source facts emptied (and restored after); ``_facts`` counted."""
+    from fedcore import code_inputs
+
+    monkeypatch.setattr(code_inputs, "_FACTS", {})
+    monkeypatch.setattr(code_inputs, "_USED", set())
+    monkeypatch.setattr(code_inputs, "_STORE", {"file": None, "dirty": False})
+    monkeypatch.setattr(code_inputs.atexit, "register", lambda f: None)  # the test saves itself
+    calls = []
+    real = code_inputs._facts
+    monkeypatch.setattr(code_inputs, "_facts", lambda data, name: calls.append(name) or real(data, name))
+    import_graph.cache_clear()
+    yield code_inputs, calls
+    import_graph.cache_clear()
+
+
+def _new_process(code_inputs, cache: Path) -> None:
+    """What a new `snakemake` call starts from: nothing in memory, the saved facts named."""
+    code_inputs._FACTS.clear()
+    code_inputs._USED.clear()
+    code_inputs._STORE.update(file=None, dirty=False)
+    import_graph.cache_clear()
+    code_inputs.keep_facts_in(cache)
+
+
+def test_a_later_process_parses_only_the_sources_that_changed(tmp_path, fresh_facts):
+    """Saved facts (fingerprints, imports) are reused by their source's bytes: a second call parses nothing, an edited
+    file alone is parsed again, and an unreadable cache or one of another version is ignored, never trusted."""
+    code_inputs, calls = fresh_facts
+    pkg = tmp_path / "fedcore"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('"""Package."""\n')
+    (pkg / "a.py").write_text("from fedcore import b\n\n\ndef f():\n    from .c import g\n    return g\n")
+    (pkg / "b.py").write_text(MODULE)
+    (pkg / "c.py").write_text("def g():\n    return 1\n")
+    cache = tmp_path / "results" / "code" / "cache.json"
+
+    def facts():
+        return import_graph(pkg), {p.name: fingerprint(p) for p in sorted(pkg.glob("*.py"))}
+
+    _new_process(code_inputs, cache)
+    first = facts()
+    assert first[0]["fedcore.a"] == {"fedcore", "fedcore.b", "fedcore.c"}
+    assert len(calls) == 4, calls
+    code_inputs._save_facts()
+    assert json.loads(cache.read_text())["version"] == code_inputs._cache_version()
+
+    calls.clear()
+    _new_process(code_inputs, cache)
+    assert facts() == first and calls == []
+
+    (pkg / "b.py").write_text(MODULE.replace("2 * x", "3 * x"))
+    _new_process(code_inputs, cache)
+    edited = facts()
+    assert calls == [str(pkg / "b.py")] and edited[1]["b.py"] != first[1]["b.py"]
+    code_inputs._save_facts()
+    assert len(json.loads(cache.read_text())["facts"]) == 4  # the old b.py's facts dropped
+
+    for bad in ("{", json.dumps({"version": "another", "facts": {
+            k: {"fingerprint": "0" * 64, "imports": []} for k in json.loads(cache.read_text())["facts"]}})):
+        cache.write_text(bad)
+        calls.clear()
+        _new_process(code_inputs, cache)
+        assert facts() == edited and len(calls) == 4

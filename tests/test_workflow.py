@@ -195,32 +195,6 @@ def test_summary_counts_are_the_claim_checks(workspace):
     assert summary.loc["sgpt", "cpu_s"] > 0 and summary.loc["sgpt", "wall_s"] > 0
 
 
-def test_nothing_to_do_after_a_complete_run(workspace):
-    assert _planned_jobs(workspace) == []
-
-
-def test_moving_the_checkout_reruns_nothing(workspace):
-    """Params and code inputs are relative to the checkout (an absolute checksums path once reran every job)."""
-    moved = workspace.with_name(workspace.name + "_moved")
-    workspace.rename(moved)
-    try:
-        assert _planned_jobs(moved) == []
-    finally:
-        moved.rename(workspace)
-
-
-def test_editing_one_method_reruns_only_its_jobs(workspace):
-    src = workspace / "fedcore" / "methods" / "head_tune.py"
-    original = src.read_text()
-    try:
-        src.write_text(original + CODE_EDIT)
-        jobs = _planned_jobs(workspace)
-        assert _train_jobs(jobs) == [(e, "head_tune", "0") for e in sorted(MICRO_EXPERIMENTS)]
-        assert not {r for r, _ in jobs} & TRAINING_RULES
-    finally:
-        src.write_text(original)
-
-
 def test_editing_any_file_a_training_job_imports_reruns_it(workspace):
     """Every fedcore file edited at once, the jobs before training (data, partitions, backbones, features) kept up to
     date, one dry run: every training job reruns, and its updated inputs are exactly the fedcore files it runs (its
@@ -261,11 +235,15 @@ def test_editing_any_file_a_training_job_imports_reruns_it(workspace):
     assert _planned_jobs(workspace) == []   # restored: nothing left to do
 
 
-def test_editing_only_comments_docstrings_or_layout_reruns_nothing(workspace):
-    """Every fedcore file and workflow script given new comments and blank lines and its module docstring reworded,
-    at once: the code's fingerprints are unchanged, so nothing reruns (a docstring fix in the engine must not retrain
-    every run; nor a comment in train.py, which Snakemake's own `code` trigger, off in the profiles, would see)."""
-    files = sorted([*(workspace / "fedcore").rglob("*.py"), *(workspace / "workflow" / "scripts").glob("*.py")])
+def test_nothing_to_do_after_a_complete_run_moved_or_with_only_comments_edited(workspace):
+    """A complete run leaves nothing to do, from a moved checkout too (params and code inputs are relative to it: an
+    absolute checksums path once reran every job), with every fedcore file and workflow script given new comments and
+    blank lines and its module docstring reworded at once: the code's fingerprints are unchanged (a docstring fix in
+    the engine must not retrain every run; nor a comment in train.py, which Snakemake's own `code` trigger, off in the
+    profiles, would see). One dry run for the three."""
+    moved = workspace.with_name(workspace.name + "_moved")
+    workspace.rename(moved)
+    files = sorted([*(moved / "fedcore").rglob("*.py"), *(moved / "workflow" / "scripts").glob("*.py")])
     originals = {f: f.read_text() for f in files}
     try:
         for f, text in originals.items():
@@ -275,11 +253,13 @@ def test_editing_only_comments_docstrings_or_layout_reruns_nothing(workspace):
                 n = tree.body[0].lineno - 1
                 lines[n] = re.sub(r'("""|\'\'\'|"|\')', r"\1Reworded. ", lines[n], count=1)
             f.write_text("# a new comment\n\n" + "".join(lines) + "\n\n# the end\n")
-        jobs = _planned_jobs(workspace)
+        out = _snakemake(moved, "-n")
     finally:
         for f, text in originals.items():
             f.write_text(text)
-    assert jobs == []
+        moved.rename(workspace)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _job_blocks(out.stdout) == [], out.stdout[-3000:]
 
 
 def _rule_scripts(work: Path) -> dict[str, str]:
@@ -306,65 +286,84 @@ def test_every_job_declares_its_scripts_fingerprint(workspace):
         assert f"results/code/workflow/scripts/{by_rule[rule]}.sha256" in inputs, (rule, inputs)
 
 
-def test_editing_a_workflow_scripts_code_reruns_its_jobs(workspace):
-    """train.py's code edited: every training job reruns for it (its fingerprint updated), nothing before training."""
-    src = workspace / "workflow" / "scripts" / "train.py"
-    original = src.read_bytes()
+def _reasons(block: str) -> dict[str, str]:
+    """A dry-run job's reasons by kind ("Updated input files", "Params have changed since last execution", ...)."""
+    line = re.search(r"reason: (.*)", block).group(1)
+    return dict(part.split(": ", 1) if ": " in part else (part, "") for part in line.split("; "))
+
+
+def _updated_code(block: str) -> list[str]:
+    """The code inputs (fingerprints) among a job's updated inputs."""
+    return sorted(f for f in _reasons(block).get("Updated input files", "").split(", ") if f.startswith("results/code/"))
+
+
+def _dry_run_with(workspace: Path, edits: dict[Path, str], *args: str) -> list[tuple[str, str]]:
+    """(rule, text) of every job a dry run plans with ``edits`` (path -> new text) in place; the files restored."""
+    originals = {p: p.read_bytes() for p in edits}
     try:
-        src.write_bytes(original + CODE_EDIT.encode())
-        out = _snakemake(workspace, "-n")
-        assert out.returncode == 0, out.stderr[-3000:]
+        for p, text in edits.items():
+            p.write_text(text)
+        out = _snakemake(workspace, "-n", *args)
     finally:
-        src.write_bytes(original)
-    blocks = _job_blocks(out.stdout)
-    trains = [b for r, b in blocks if r == "train"]
-    assert len(trains) == len(MICRO_EXPERIMENTS) * len(MICRO_METHODS) + 1
+        for p, data in originals.items():
+            p.write_bytes(data)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return _job_blocks(out.stdout)
+
+
+def _train_blocks(blocks) -> dict[tuple[str, str, str], str]:
+    """(experiment, method, seed) -> its job's text, for the training jobs among ``blocks``."""
+    key = lambda b: tuple(re.search(rf"{k}=(\w+)", b).group(1) for k in ("experiment", "method", "seed"))
+    return {key(b): b for r, b in blocks if r == "train"}
+
+
+def test_independent_edits_rerun_only_their_own_jobs(workspace):
+    """Four edits in one dry run, each training job's reason naming its own: a method's code reruns only that method's
+    runs; a variant's params only its runs; an experiment's settings its runs and not its partition; a report module's
+    code the tables and no training, nor anything before it. (Snakemake names one reason of a job, so the edits touch
+    different runs: the experiment's head_tune run reruns for its method's code first.)"""
+    exp_file = workspace / "config" / "experiments" / "sgpt.yaml"
+    doc = yaml.safe_load(exp_file.read_text())
+    doc["variants"][MICRO_VARIANT]["params"]["key_momentum"] = 0.1
+    doc["experiments"]["sgpt_c100_s50"]["optimizer"]["lr"] = 0.02
+    method, report = workspace / "fedcore" / "methods" / "head_tune.py", workspace / "fedcore" / "report" / "tables.py"
+    blocks = _dry_run_with(workspace, {method: method.read_text() + CODE_EDIT, report: report.read_text() + CODE_EDIT,
+                                       exp_file: yaml.safe_dump(doc, sort_keys=False)})
+    trains = _train_blocks(blocks)
+    code = {(e, "head_tune", "0") for e in MICRO_EXPERIMENTS}
+    params = {("sgpt_c100_s10", MICRO_VARIANT, "0"), ("sgpt_c100_s50", "sgpt", "0")}
+    assert set(trains) == code | params
+    for run, block in trains.items():
+        why = _reasons(block)
+        if run in code:
+            assert _updated_code(block) == [f"{CODE}methods/head_tune.py.sha256"], block
+        else:
+            assert list(why) == ["Params have changed since last execution"], block
     assert not {r for r, _ in blocks} & TRAINING_RULES
-    for block in trains:
-        updated = re.search(r"reason: Updated input files: ([^;\n]*)", block).group(1).split(", ")
-        assert updated == ["results/code/workflow/scripts/train.py.sha256"], updated
+    # each table reruns for tables.py, or first for the metrics the rerun training updates
+    tables = [_reasons(b) for r, b in blocks if r == "table"]
+    assert any(f"{CODE}report/tables.py.sha256" in why.get("Updated input files", "") for why in tables)
+    assert all(f"{CODE}report/tables.py.sha256" in why.get("Updated input files", "")
+               or "Input files updated by another job" in why for why in tables), tables
 
 
-def test_editing_code_no_training_job_imports_reruns_no_training(workspace):
-    """A report module (fedcore/report/tables.py): the tables rerun, no training job nor anything before them."""
-    src = workspace / "fedcore" / "report" / "tables.py"
-    original = src.read_text()
-    try:
-        src.write_text(original + CODE_EDIT)
-        rules = {r for r, _ in _planned_jobs(workspace)}
-    finally:
-        src.write_text(original)
-    assert "table" in rules and not rules & (TRAINING_RULES | {"train"})
-
-
-def test_editing_one_variant_reruns_only_its_runs(workspace):
-    path = workspace / "config" / "experiments" / "sgpt.yaml"
-    original = path.read_text()
-    try:
-        _edit_yaml(path, lambda d: d["variants"][MICRO_VARIANT]["params"].update(key_momentum=0.1))
-        assert _train_jobs(_planned_jobs(workspace)) == [("sgpt_c100_s10", MICRO_VARIANT, "0")]
-    finally:
-        path.write_text(original)
-
-
-def test_editing_one_experiment_reruns_only_its_jobs(workspace):
-    path = workspace / "config" / "experiments" / "sgpt.yaml"
-    original = path.read_text()
-    try:
-        _edit_yaml(path, lambda d: d["experiments"]["sgpt_c100_s10"]["optimizer"].update(lr=0.02))
-        jobs = _planned_jobs(workspace)
-        assert _train_jobs(jobs) == [("sgpt_c100_s10", m, "0") for m in sorted(MICRO_METHODS + [MICRO_VARIANT])]
-        assert not [w for r, w in jobs if r == "partition"]
-    finally:
-        path.write_text(original)
-
-
-def test_adding_a_seed_runs_only_the_new_seed(workspace):
-    jobs = _planned_jobs(workspace, "--config", "seeds=[0,1]")
-    trains = _train_jobs(jobs)
-    assert trains and {s for _, _, s in trains} == {"1"} and len(trains) == len(MICRO_EXPERIMENTS) * len(MICRO_METHODS) + 1
-    assert {w["seed"] for r, w in jobs if r == "partition"} == {"1"}
-    assert not [r for r, _ in jobs if r in ("pretrain_backbone", "build_dataset")]
+def test_a_workflow_scripts_code_reruns_its_jobs_and_a_new_seed_runs_only_itself(workspace):
+    """train.py's code edited and a second seed added, in one dry run: every training job of seed 0 reruns for the
+    script (its fingerprint its only updated input); seed 1 runs every run with its partitions; no dataset, backbone
+    or feature job runs again."""
+    script = workspace / "workflow" / "scripts" / "train.py"
+    blocks = _dry_run_with(workspace, {script: script.read_text() + CODE_EDIT}, "--config", "seeds=[0,1]")
+    trains = _train_blocks(blocks)
+    runs = {(e, m) for e in MICRO_EXPERIMENTS for m in MICRO_METHODS} | {("sgpt_c100_s10", MICRO_VARIANT)}
+    assert set(trains) == {(e, m, s) for e, m in runs for s in ("0", "1")}
+    for (e, m, seed), block in trains.items():
+        why = _reasons(block)
+        if seed == "0":
+            assert why == {"Updated input files": "results/code/workflow/scripts/train.py.sha256"}, block
+        else:
+            assert "Missing output files" in why, block
+    assert {re.search(r"seed=(\d+)", b).group(1) for r, b in blocks if r == "partition"} == {"1"}
+    assert not {r for r, _ in blocks} & (TRAINING_RULES - {"partition"})
 
 
 def test_interrupting_snakemake_alone_keeps_the_run_and_its_log(workspace):

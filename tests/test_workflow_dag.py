@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from test_workflow import MICRO_METHODS, ROOT, _planned_jobs, _snakemake, _train_jobs, micro_copy
+from test_workflow import MICRO_METHODS, ROOT, _job_blocks, _snakemake, micro_copy
 
 
 @pytest.fixture(scope="module")
@@ -16,18 +16,16 @@ def micro_dir(tmp_path_factory):
     return micro_copy(tmp_path_factory.mktemp("wf_dag"))
 
 
-def test_paper_scale_dag_builds_without_data(micro_dir):
-    jobs = _planned_jobs(micro_dir, "--config", "scale=paper")
-    assert len(_train_jobs(jobs)) == 5 * len(MICRO_METHODS) + 1
-    rules = {r for r, _ in jobs}
-    assert {"fetch_dataset", "build_dataset", "backbone_weights"} <= rules and "pretrain_backbone" not in rules
-
-
-def test_slurm_profile_gives_each_training_job_one_gpu(micro_dir):
+def test_paper_scale_dag_builds_without_data_and_slurm_gives_each_training_job_one_gpu(micro_dir):
+    """Paper scale plans without any data or weights present (fetch, build and weight rules instead of pretraining);
+    under the SLURM profile, the same DAG, every training job asks for one GPU, a runtime and memory."""
     out = _snakemake(micro_dir, "-n", "--config", "scale=paper", "--workflow-profile", "profiles/slurm")
     assert out.returncode == 0, out.stderr[-3000:]
-    blocks = [b for b in out.stdout.split("\n\n") if "rule train:" in b]
-    assert blocks and all("gpu=1" in b and "runtime=" in b and "mem_mb=" in b for b in blocks)
+    jobs = _job_blocks(out.stdout)
+    assert len([b for r, b in jobs if r == "train"]) == 5 * len(MICRO_METHODS) + 1
+    rules = {r for r, _ in jobs}
+    assert {"fetch_dataset", "build_dataset", "backbone_weights"} <= rules and "pretrain_backbone" not in rules
+    assert all("gpu=1" in b and "runtime=" in b and "mem_mb=" in b for r, b in jobs if r == "train")
 
 
 def test_bad_config_fails_before_any_job(micro_dir):

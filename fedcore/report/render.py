@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import pandas as pd
-from matplotlib.figure import Figure
+
+if TYPE_CHECKING:  # matplotlib is imported where a figure is built, not by the Snakefile, which reads the tables above
+    from matplotlib.figure import Figure
 
 FIGURE_INPUT: dict[str, str] = {
     "accuracy_per_round": "metrics", "scatter": "metrics", "selection_counts": "metrics", "sweep": "metrics",
