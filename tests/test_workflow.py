@@ -140,6 +140,26 @@ def test_pipeline_writes_metrics_tables_figures(workspace):
 
 
 
+def test_the_run_kept_every_sources_parsed_facts_for_the_next_call(workspace):
+    """The run saved, by each source's bytes, what the DAG parsed (code fingerprints, imports): every fedcore file and
+    every workflow script its jobs run, with the fingerprints their code inputs hold, so the next `snakemake` call
+    parses nothing that did not change (fedcore/code_inputs.py ``keep_facts_in``)."""
+    import hashlib
+
+    from fedcore.code_inputs import _cache_version
+
+    saved = json.loads((workspace / "results" / "code" / "cache.json").read_text())
+    assert saved["version"] == _cache_version()  # the copy's code_inputs.py is this checkout's
+    scripts = [workspace / "workflow" / "scripts" / f.name.removesuffix(".sha256")
+               for f in (workspace / "results" / "code" / "workflow" / "scripts").glob("*.sha256")]
+    sources = [*(workspace / "fedcore").rglob("*.py"), *scripts]
+    facts = {f: saved["facts"].get(hashlib.sha256(f.read_bytes()).hexdigest()) for f in sources}
+    assert not [f for f, fact in facts.items() if fact is None]
+    for name in ("fedcore/engine/loop.py", "workflow/scripts/train.py"):
+        held = (workspace / "results" / "code" / f"{name}.sha256").read_text().split()[0]
+        assert facts[workspace / name]["fingerprint"] == held
+
+
 def _report_var(text: str, name: str) -> dict:
     """A JSON object the Snakemake report assigns to a JavaScript variable."""
     return json.loads(re.search(rf"^\s*var {name} = (\{{.*\}});\s*$", text, re.M).group(1))
