@@ -26,15 +26,14 @@ rerun every training job (thousands of GPU-hours).
 from __future__ import annotations
 
 import ast
-import atexit
 import hashlib
-import json
 import os
 import sys
 from functools import lru_cache
 from pathlib import Path
 
 from fedcore.io import atomic_path
+from fedcore.memo_file import MemoFile
 
 PACKAGE = "fedcore"
 ROOT = Path(__file__).resolve().parent  # the fedcore package directory
@@ -213,59 +212,26 @@ def _facts(data: bytes, name: str) -> dict:
     return {"fingerprint": digest, "imports": imports}
 
 
-# A source's facts depend on its bytes alone (given this module and Python's parser: the cache's version), so they are
-# memoised by the bytes' sha256, in this process and, once ``keep_facts_in`` names a file, between processes: every
-# `snakemake` call (each dry run, each SLURM job) would otherwise parse the whole package again (about 3 s).
-_FACTS: dict[str, dict] = {}
-_USED: set[str] = set()
-_STORE: dict = {"file": None, "dirty": False}
-
-
 def _cache_version() -> str:
     """This module's own source and Python's version: facts computed under another of either are not reused."""
     return hashlib.sha256(Path(__file__).read_bytes() + repr(sys.version_info[:2]).encode()).hexdigest()
 
 
+# A source's facts depend on its bytes alone (given this module and Python's parser: the memo's version), so they are
+# kept by the bytes' sha256, in this process and, once ``keep_facts_in`` names a file, between processes: every
+# `snakemake` call (each dry run, each SLURM job) would otherwise parse the whole package again.
+_FACTS = MemoFile(_cache_version)
+
+
 def source_facts(path: Path) -> dict:
     """A source file's fingerprint (``fingerprint``) and fedcore imports, computed once per distinct content."""
     data = path.read_bytes()
-    key = hashlib.sha256(data).hexdigest()
-    _USED.add(key)
-    if key not in _FACTS:
-        _FACTS[key] = _facts(data, str(path))
-        _STORE["dirty"] = True
-    return _FACTS[key]
+    return _FACTS.get(hashlib.sha256(data).hexdigest(), lambda: _facts(data, str(path)))
 
 
 def keep_facts_in(file: Path) -> None:
-    """Reuse the source facts saved in ``file`` (ignored when unreadable or of another version) and, at exit, save
-    there those this process read, if it had to compute any."""
-    file = Path(file)
-    try:
-        saved = json.loads(file.read_text(encoding="utf-8"))
-        if saved["version"] == _cache_version():
-            for key, v in saved["facts"].items():
-                imports = [(int(level), str(base), tuple(map(str, names))) for level, base, names in v["imports"]]
-                _FACTS.setdefault(key, {"fingerprint": str(v["fingerprint"]), "imports": imports})
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # computed again, and saved afresh
-    if _STORE["file"] is None:
-        atexit.register(_save_facts)
-    _STORE["file"] = file
-
-
-def _save_facts() -> None:
-    """Write the facts of the sources this process read to the ``keep_facts_in`` file (atomically), if any were new."""
-    file = _STORE["file"]
-    if file is None or not _STORE["dirty"]:
-        return
-    doc = {"version": _cache_version(), "facts": {k: _FACTS[k] for k in sorted(_USED)}}
-    try:
-        with atomic_path(file) as tmp:
-            tmp.write_text(json.dumps(doc), encoding="utf-8")
-        _STORE["dirty"] = False
-    except OSError:
-        pass  # e.g. a read-only results directory: parsed again next time
+    """Reuse the source facts saved in ``file`` and save there, at exit, those this process read."""
+    _FACTS.keep_in(file)
 
 
 def fingerprint(path: Path) -> str:

@@ -13,6 +13,7 @@ This module reads a resolved configuration (``fedcore.config.Resolved``) but imp
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -20,12 +21,15 @@ from typing import Any
 import numpy as np
 
 from fedcore.backbones.registry import arch_info
+from fedcore.code_inputs import ROOT as CODE_ROOT, code_files, fingerprint
 from fedcore.data.facts import dataset_facts
 from fedcore.engine.loop import RunSpec
 from fedcore.engine.roles import Method
 from fedcore.engine.sampling import clients_per_round
+from fedcore.memo_file import MemoFile
 from fedcore.methods import method_class
 from fedcore.partition.make import make_partition
+from fedcore.partition.registry import scheme_modules
 
 __all__ = ["Rate", "RATES", "RunShape", "Estimate", "RUNTIME_MARGIN", "STARTUP_S", "run_shape", "estimate",
            "estimate_run", "request_minutes", "arch_class", "client_sizes"]
@@ -190,20 +194,34 @@ def _synthetic_labels(dataset: str, facts) -> dict[str, np.ndarray]:
     return out
 
 
-_SIZES: dict[tuple[str, str], tuple[tuple[int, ...], int, int]] = {}
+def _sizes_version() -> str:
+    """The fingerprints of the code that draws the sizes (this module's closure and every partition scheme)."""
+    files = code_files(__name__, *scheme_modules())
+    return hashlib.sha256(" ".join(fingerprint(CODE_ROOT / f) for f in files).encode()).hexdigest()
+
+
+# A paper-scale DAG estimates every training job, and FedOTP's partitions alone take seconds to draw: the sizes are
+# kept by partition, in this process and, once ``keep_sizes_in`` names a file, between processes.
+_SIZES = MemoFile(_sizes_version)
+
+
+def keep_sizes_in(file) -> None:
+    """Reuse the partition sizes saved in ``file`` (drawn by the same code) and save there, at exit, those drawn."""
+    _SIZES.keep_in(file)
 
 
 def client_sizes(dataset: str, spec: dict, partition_id: str) -> tuple[tuple[int, ...], int, int]:
     """(each client's train size, images of the pooled local test sets, images of the official test split) of a
     partition, drawn by the partition's own code on labels of the dataset's shape (cached per partition)."""
-    key = (dataset, partition_id)
-    if key not in _SIZES:
+    def draw() -> list:
         facts = dataset_facts(dataset)
         labels = _synthetic_labels(dataset, facts)
         part = make_partition(spec, 0, **labels)
         pooled = len(np.unique(np.concatenate(part.test))) if part.test else 0
-        _SIZES[key] = (tuple(len(t) for t in part.train), pooled, len(labels["test_y"]))
-    return _SIZES[key]
+        return [[len(t) for t in part.train], pooled, len(labels["test_y"])]
+
+    sizes, pooled, official = _SIZES.get(f"{dataset} {partition_id}", draw)
+    return tuple(int(n) for n in sizes), int(pooled), int(official)
 
 
 @dataclass(frozen=True)
@@ -242,7 +260,8 @@ def run_shape(resolved, experiment: str, method: str) -> RunShape:
     sizes, pooled, official = client_sizes(exp["dataset"], exp["partition"], exp["partition_id"])
     own = cls.own_backbone(params)   # pFedPT's own ViT, trained from scratch on every client
     names = exp.get("client_backbones", [exp["backbone"]] * len(sizes))
-    archs = [arch_class(own or resolved.backbones[b]["arch"]) for b in names]
+    arch_of = {b: arch_class(own or resolved.backbones[b]["arch"]) for b in set(names)}  # 100 clients, few archs
+    archs = [arch_of[b] for b in names]
     spec = RunSpec(identity={}, federation=fed, optimizer={}, evaluation=tp["evaluation"],
                    final_window=int(tp["final_window"]))
     rounds = int(fed["rounds"])

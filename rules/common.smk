@@ -1,7 +1,10 @@
 # Helpers shared by the rule files (paths, wildcard constraints, per-run params, code inputs); rules live elsewhere.
+import functools
+
 import fedcore
 from fedcore.code_inputs import code_files, keep_facts_in, write_fingerprint
 from fedcore.data.registry import is_generated
+from fedcore.estimate import keep_sizes_in
 from fedcore.methods import method_module
 from fedcore.plan import arch_tag, experiment_backbones, method_artifacts, plan_run, weights_sha256
 
@@ -32,8 +35,16 @@ FEDCORE = workdir_relative(Path(fedcore.__file__).parent)
 CHECKSUMS = str(workdir_relative(CFG.checksums_path))  # a param of the data rules
 
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
-# each source's parsed facts (fingerprint, imports) by its bytes' digest: a later `snakemake` call parses only what changed
-keep_facts_in(Path(RESULTS, "code", "cache.json"))
+# what building the DAG computes from code alone, kept for the next `snakemake` call: each source's parsed facts
+# (fingerprint, imports) by its bytes' digest, and the partitions' sizes the paper-scale runtime estimates draw
+keep_facts_in(Path(RESULTS, "cache", "code_facts.json"))
+keep_sizes_in(Path(RESULTS, "cache", "partition_sizes.json"))
+
+
+@functools.lru_cache(maxsize=None)  # asked once per job (900 at paper scale), the same for every job of a kind
+def _code(script, modules):
+    return (fingerprint_file(SCRIPTS / script, f"workflow/scripts/{script}"),
+            *(fingerprint_file(FEDCORE / f, f"fedcore/{f}") for f in code_files(*modules, script=SCRIPTS / script)))
 
 
 def code(script, *modules):
@@ -43,8 +54,7 @@ def code(script, *modules):
     the code of one reruns the job; an edit to any other file, or to comments and docstrings only, reruns nothing.
     (The script's fingerprint stands in for Snakemake's `code` trigger, which compares the script's time: the
     profiles turn that trigger off.)"""
-    return [fingerprint_file(SCRIPTS / script, f"workflow/scripts/{script}"),
-            *(fingerprint_file(FEDCORE / f, f"fedcore/{f}") for f in code_files(*modules, script=SCRIPTS / script))]
+    return list(_code(script, modules))
 
 
 def fingerprint_file(source, name):

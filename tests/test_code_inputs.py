@@ -240,13 +240,11 @@ def test_a_fingerprint_file_is_rewritten_only_when_the_code_changes(tmp_path):
 
 @pytest.fixture
 def fresh_facts(monkeypatch):
-    """The module's memo of source facts emptied (and restored after); ``_facts`` counted."""
-    from fedcore import code_inputs
+    """The module's memo of source facts emptied (and restored after), saved by the test itself; ``_facts`` counted."""
+    from fedcore import code_inputs, memo_file
 
-    monkeypatch.setattr(code_inputs, "_FACTS", {})
-    monkeypatch.setattr(code_inputs, "_USED", set())
-    monkeypatch.setattr(code_inputs, "_STORE", {"file": None, "dirty": False})
-    monkeypatch.setattr(code_inputs.atexit, "register", lambda f: None)  # the test saves itself
+    monkeypatch.setattr(code_inputs, "_FACTS", memo_file.MemoFile(code_inputs._cache_version))
+    monkeypatch.setattr(memo_file.atexit, "register", lambda f: None)
     calls = []
     real = code_inputs._facts
     monkeypatch.setattr(code_inputs, "_facts", lambda data, name: calls.append(name) or real(data, name))
@@ -257,9 +255,7 @@ def fresh_facts(monkeypatch):
 
 def _new_process(code_inputs, cache: Path) -> None:
     """What a new `snakemake` call starts from: nothing in memory, the saved facts named."""
-    code_inputs._FACTS.clear()
-    code_inputs._USED.clear()
-    code_inputs._STORE.update(file=None, dirty=False)
+    code_inputs._FACTS = type(code_inputs._FACTS)(code_inputs._cache_version)
     import_graph.cache_clear()
     code_inputs.keep_facts_in(cache)
 
@@ -274,7 +270,7 @@ def test_a_later_process_parses_only_the_sources_that_changed(tmp_path, fresh_fa
     (pkg / "a.py").write_text("from fedcore import b\n\n\ndef f():\n    from .c import g\n    return g\n")
     (pkg / "b.py").write_text(MODULE)
     (pkg / "c.py").write_text("def g():\n    return 1\n")
-    cache = tmp_path / "results" / "code" / "cache.json"
+    cache = tmp_path / "results" / "cache" / "code_facts.json"
 
     def facts():
         return import_graph(pkg), {p.name: fingerprint(p) for p in sorted(pkg.glob("*.py"))}
@@ -283,7 +279,7 @@ def test_a_later_process_parses_only_the_sources_that_changed(tmp_path, fresh_fa
     first = facts()
     assert first[0]["fedcore.a"] == {"fedcore", "fedcore.b", "fedcore.c"}
     assert len(calls) == 4, calls
-    code_inputs._save_facts()
+    code_inputs._FACTS.save()
     assert json.loads(cache.read_text())["version"] == code_inputs._cache_version()
 
     calls.clear()
@@ -294,11 +290,11 @@ def test_a_later_process_parses_only_the_sources_that_changed(tmp_path, fresh_fa
     _new_process(code_inputs, cache)
     edited = facts()
     assert calls == [str(pkg / "b.py")] and edited[1]["b.py"] != first[1]["b.py"]
-    code_inputs._save_facts()
-    assert len(json.loads(cache.read_text())["facts"]) == 4  # the old b.py's facts dropped
+    code_inputs._FACTS.save()
+    assert len(json.loads(cache.read_text())["values"]) == 4  # the old b.py's facts dropped
 
-    for bad in ("{", json.dumps({"version": "another", "facts": {
-            k: {"fingerprint": "0" * 64, "imports": []} for k in json.loads(cache.read_text())["facts"]}})):
+    for bad in ("{", json.dumps({"version": "another", "values": {
+            k: {"fingerprint": "0" * 64, "imports": []} for k in json.loads(cache.read_text())["values"]}})):
         cache.write_text(bad)
         calls.clear()
         _new_process(code_inputs, cache)

@@ -80,3 +80,29 @@ def test_every_paper_run_has_an_estimate_and_the_request_is_its_margin(paper):
     assert request_minutes(Estimate(3600.0, 0.0, 0.0)) == 60 * RUNTIME_MARGIN
     assert request_minutes(Estimate(1.0, 0.0, 0.0)) == MIN_REQUEST_MINUTES
     assert paper.at_scale("mini").run_resources("sgpt_c100_s50", "sgpt") == {"gpu": 0, "mem_mb": 2000, "runtime": 10}
+
+
+def test_a_later_process_reuses_the_drawn_sizes_and_only_for_the_same_code(tmp_path, monkeypatch):
+    """A paper-scale DAG draws every partition for the estimates (seconds for FedOTP's): the sizes are saved by
+    partition, a later call draws none of them, and a change to the code that draws them (the memo's version, the
+    fingerprints of the estimate's and every scheme's code) discards them."""
+    from fedcore import estimate as est, memo_file
+
+    monkeypatch.setattr(memo_file.atexit, "register", lambda f: None)
+    draws = []
+    real = est.make_partition
+    monkeypatch.setattr(est, "make_partition", lambda *a, **k: draws.append(a[0]["scheme"]) or real(*a, **k))
+    spec = {"scheme": "dirichlet_per_client", "clients": 40, "alpha": 0.1, "train_per_client": 500,
+            "test_per_client": 100}
+    file = tmp_path / "cache" / "partition_sizes.json"
+    version = est._sizes_version()
+    for expected_draws, code in ((1, version), (0, version), (1, "other code")):
+        monkeypatch.setattr(est, "_SIZES", memo_file.MemoFile(lambda code=code: code))  # a new process
+        draws.clear()
+        est.keep_sizes_in(file)
+        first = client_sizes("cifar10", spec, "pft")
+        assert client_sizes("cifar10", spec, "pft") == first and len(draws) == expected_draws
+        assert first[0] == (500,) * 40 and first[2] == 10_000
+        est._SIZES.save()
+    drawing = {str(f) for f in est.code_files(est.__name__, *est.scheme_modules())}  # what the version hashes
+    assert {"estimate.py", "partition/make.py", "partition/schemes/fedotp.py", "data/facts.py"} <= drawing

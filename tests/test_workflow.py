@@ -148,12 +148,12 @@ def test_the_run_kept_every_sources_parsed_facts_for_the_next_call(workspace):
 
     from fedcore.code_inputs import _cache_version
 
-    saved = json.loads((workspace / "results" / "code" / "cache.json").read_text())
+    saved = json.loads((workspace / "results" / "cache" / "code_facts.json").read_text())
     assert saved["version"] == _cache_version()  # the copy's code_inputs.py is this checkout's
     scripts = [workspace / "workflow" / "scripts" / f.name.removesuffix(".sha256")
                for f in (workspace / "results" / "code" / "workflow" / "scripts").glob("*.sha256")]
     sources = [*(workspace / "fedcore").rglob("*.py"), *scripts]
-    facts = {f: saved["facts"].get(hashlib.sha256(f.read_bytes()).hexdigest()) for f in sources}
+    facts = {f: saved["values"].get(hashlib.sha256(f.read_bytes()).hexdigest()) for f in sources}
     assert not [f for f, fact in facts.items() if fact is None]
     for name in ("fedcore/engine/loop.py", "workflow/scripts/train.py"):
         held = (workspace / "results" / "code" / f"{name}.sha256").read_text().split()[0]
