@@ -229,9 +229,10 @@ def source_facts(path: Path) -> dict:
     return _FACTS.get(hashlib.sha256(data).hexdigest(), lambda: _facts(data, str(path)))
 
 
-def keep_facts_in(file: Path) -> None:
-    """Reuse the source facts saved in ``file`` and save there, at exit, those this process read."""
+def keep_facts_in(file: Path) -> MemoFile:
+    """Reuse the source facts saved in ``file`` and save there, at exit, those this process read; the memo."""
     _FACTS.keep_in(file)
+    return _FACTS
 
 
 def fingerprint(path: Path) -> str:

@@ -205,9 +205,11 @@ def _sizes_version() -> str:
 _SIZES = MemoFile(_sizes_version)
 
 
-def keep_sizes_in(file) -> None:
-    """Reuse the partition sizes saved in ``file`` (drawn by the same code) and save there, at exit, those drawn."""
+def keep_sizes_in(file) -> MemoFile:
+    """Reuse the partition sizes saved in ``file`` (drawn by the same code) and save there, at exit, those drawn; the
+    memo."""
     _SIZES.keep_in(file)
+    return _SIZES
 
 
 def client_sizes(dataset: str, spec: dict, partition_id: str) -> tuple[tuple[int, ...], int, int]:

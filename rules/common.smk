@@ -37,8 +37,13 @@ CHECKSUMS = str(workdir_relative(CFG.checksums_path))  # a param of the data rul
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 # what building the DAG computes from code alone, kept for the next `snakemake` call: each source's parsed facts
 # (fingerprint, imports) by its bytes' digest, and the partitions' sizes the paper-scale runtime estimates draw
-keep_facts_in(Path(RESULTS, "cache", "code_facts.json"))
-keep_sizes_in(Path(RESULTS, "cache", "partition_sizes.json"))
+CACHES = [keep_facts_in(Path(RESULTS, "cache", "code_facts.json")),
+          keep_sizes_in(Path(RESULTS, "cache", "partition_sizes.json"))]
+
+onstart:
+    # saved once the DAG is built, not only at exit: during a long run each SLURM job builds the DAG again
+    for cache in CACHES:
+        cache.save()
 
 
 @functools.lru_cache(maxsize=None)  # asked once per job (900 at paper scale), the same for every job of a kind

@@ -155,6 +155,9 @@ def test_the_run_kept_every_sources_parsed_facts_for_the_next_call(workspace):
     sources = [*(workspace / "fedcore").rglob("*.py"), *scripts]
     facts = {f: saved["values"].get(hashlib.sha256(f.read_bytes()).hexdigest()) for f in sources}
     assert not [f for f, fact in facts.items() if fact is None]
+    # saved when the DAG was built (the Snakefile's onstart), before any job ran: a long run's SLURM jobs read it
+    first = min(f.stat().st_mtime_ns for f in (workspace / "results" / "data").glob("*.npz"))
+    assert (workspace / "results" / "cache" / "code_facts.json").stat().st_mtime_ns < first
     for name in ("fedcore/engine/loop.py", "workflow/scripts/train.py"):
         held = (workspace / "results" / "code" / f"{name}.sha256").read_text().split()[0]
         assert facts[workspace / name]["fingerprint"] == held
