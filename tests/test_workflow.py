@@ -112,10 +112,6 @@ def _job_blocks(stdout: str) -> list[tuple[str, str]]:
             if (m := re.match(r"(?:local)?rule (\w+):", b))]
 
 
-def _train_jobs(jobs):
-    return sorted((w["experiment"], w["method"], w["seed"]) for r, w in jobs if r == "train")
-
-
 def test_pipeline_writes_metrics_tables_figures(workspace):
     metrics = pd.read_parquet(workspace / "results" / "metrics.parquet")
     assert set(metrics["method"]) == set(MICRO_METHODS) | {MICRO_VARIANT}
