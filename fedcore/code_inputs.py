@@ -76,7 +76,8 @@ def _import_records(tree: ast.Module) -> list[tuple[int, str, tuple[str, ...]]]:
     return found
 
 
-def _imported(records, module: str, is_package: bool, known: dict[str, Path]) -> set[str]:
+def _imported(records: list[tuple[int, str, tuple[str, ...]]], module: str, is_package: bool,
+              known: dict[str, Path]) -> set[str]:
     """The fedcore modules a module imports: its ``_import_records`` resolved against the module and the package."""
     package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
@@ -128,7 +129,6 @@ def closure(modules: list[str] | tuple[str, ...], root: Path = ROOT) -> set[str]
     return seen
 
 
-@lru_cache(maxsize=None)
 def module_file(module: str, root: Path = ROOT) -> Path:
     """A fedcore module's file, relative to the package directory (``engine/loop.py``, ``methods/__init__.py``)."""
     path = root.joinpath(*module.split(".")[1:])
@@ -137,12 +137,7 @@ def module_file(module: str, root: Path = ROOT) -> Path:
 
 def script_modules(script: str | Path) -> list[str]:
     """The fedcore modules a workflow script imports itself (not through its helpers _log and _gpu)."""
-    return list(_script_modules(Path(script)))
-
-
-@lru_cache(maxsize=None)  # once per script and process: the paper-scale DAG asks about 900 times
-def _script_modules(script: Path) -> tuple[str, ...]:
-    tree = ast.parse(script.read_text(encoding="utf-8"), str(script))
+    tree = ast.parse(Path(script).read_text(encoding="utf-8"), str(script))
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == PACKAGE:
@@ -151,21 +146,16 @@ def _script_modules(script: Path) -> tuple[str, ...]:
             out += [a.name for a in node.names if a.name.split(".")[0] == PACKAGE]
     if not out:
         raise ValueError(f"{script} imports nothing of fedcore: no code inputs to derive")
-    return tuple(dict.fromkeys(out))
+    return list(dict.fromkeys(out))
 
 
 def code_files(*modules: str, script: str | Path | None = None, root: Path = ROOT) -> list[Path]:
     """The files (relative to the fedcore package directory, sorted) of everything ``modules`` and the fedcore modules
     ``script`` imports run: a job's code inputs."""
-    return list(_code_files(modules, None if script is None else Path(script), root))
-
-
-@lru_cache(maxsize=None)  # once per job kind and process: the paper-scale DAG asks about 900 times
-def _code_files(modules: tuple[str, ...], script: Path | None, root: Path) -> tuple[Path, ...]:
     graph = import_graph(root)
     # `from fedcore.a import b` in a script names module a.b or an attribute of a: the graph says which
     entry = [m for m in (script_modules(script) if script is not None else []) if m in graph]
-    return tuple(sorted(module_file(m, root) for m in closure([*entry, *modules], root)))
+    return sorted(module_file(m, root) for m in closure([*entry, *modules], root))
 
 
 def _docstring_owner(node: ast.AST) -> bool:

@@ -46,7 +46,7 @@ onstart:
         cache.save()
 
 
-@functools.lru_cache(maxsize=None)  # asked once per job (900 at paper scale), the same for every job of a kind
+@functools.lru_cache(maxsize=None)  # asked once per job (~900 at paper scale), derived once per kind of job
 def _code(script, modules):
     return (fingerprint_file(SCRIPTS / script, f"workflow/scripts/{script}"),
             *(fingerprint_file(FEDCORE / f, f"fedcore/{f}") for f in code_files(*modules, script=SCRIPTS / script)))
