@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 
 from fedcore.backbones.registry import build_backbone
 from fedcore.backbones.vit import build_vit
@@ -11,6 +12,9 @@ from fedcore.data.arrays import ArrayDataset, DatasetBundle, save_bundle
 from fedcore.partition.make import make_partition
 
 torch.set_num_threads(1)
+# property tests draw the same examples on every run (a suite that passes once passes again) and keep no database
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.load_profile("deterministic")
 
 
 def synthetic_bundle(n_train: int = 240, n_test: int = 80, classes: int = 4, seed: int = 0) -> DatasetBundle:
