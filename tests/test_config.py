@@ -1,6 +1,7 @@
 """Config validation: errors name the key and the allowed values, before any work is done."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -331,8 +332,9 @@ def test_command_line_values_are_checked_as_a_config_files_are():
     assert load_config({**DEFAULT, **parse_config(["seeds=[2,0]"])}, ROOT).seeds == [2, 0]
 
 
-def test_results_must_be_a_directory(tmp_path):
-    """`--config results=<a file>` used to end in a Snakemake traceback (NotADirectoryError)."""
+def test_results_must_be_a_directory_this_user_may_write(tmp_path, monkeypatch):
+    """`--config results=<a file>` used to end in a Snakemake traceback (NotADirectoryError); one in a directory the
+    user may not write, in the first job's or fingerprint's PermissionError."""
     from snakemake.cli import parse_config
 
     a_file = tmp_path / "notes.txt"
@@ -342,6 +344,14 @@ def test_results_must_be_a_directory(tmp_path):
                                               rf"'{a_file}' is a file"):
             load_config({**DEFAULT, **parse_config([f"results={value}"])}, ROOT)
     assert load_config({**DEFAULT, "results": str(tmp_path / "new" / "results")}, ROOT).top["results"]
+    locked = tmp_path / "locked"   # a directory this user may not write in (root may write anywhere: pretend)
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    for value in (str(locked), str(locked / "new" / "results")):
+        with pytest.raises(ConfigError, match=rf"at resources: '{value}' cannot be written: this user may not "
+                                              rf"write in '{locked}'"):
+            load_config({**DEFAULT, **parse_config([f"resources={value}"])}, ROOT)
 
 
 def test_an_experiments_augment_reaches_every_method_of_it_and_no_other_run(tmp_path):

@@ -4,6 +4,7 @@ here: what a name may be (a dataset, a backbone, a paper) is handed in by the ca
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +123,8 @@ def apply_defaults(config: dict, schema: dict) -> dict:
 
 
 def check_output_dirs(top: dict) -> None:
-    """``results`` and ``resources`` are directories, or do not exist yet (relative to Snakemake's working
-    directory, where the pipeline writes them)."""
+    """``results`` and ``resources`` are directories, or do not exist yet, in a directory this user may write
+    (relative to Snakemake's working directory, where the pipeline writes them)."""
     for key in ("results", "resources"):
         path = Path(str(top[key]))
         for p in (path, *path.parents):
@@ -131,6 +132,9 @@ def check_output_dirs(top: dict) -> None:
                 if not p.is_dir():
                     raise ConfigError(f"config error in {TOP_WHERE} at {key}: {top[key]!r} must be a directory "
                                       f"(created if missing), but {str(p)!r} is a file")
+                if not os.access(p, os.W_OK | os.X_OK):  # else the first job (or fingerprint) fails mid-DAG
+                    raise ConfigError(f"config error in {TOP_WHERE} at {key}: {top[key]!r} cannot be written: "
+                                      f"this user may not write in {str(p)!r}")
                 break
 
 
