@@ -1,10 +1,10 @@
-"""constraints.txt locks the environment CI tests: every package the project needs, within pyproject's ranges."""
+"""constraints.txt locks the environment CI tests: every package the project needs, and nothing else."""
 from __future__ import annotations
 
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -27,6 +27,13 @@ def _pins(text: str) -> dict[str, str]:
     return pins
 
 
+def _installed(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _locked(name: str) -> bool:
     return name not in UNLOCKED and not name.startswith(UNLOCKED_PREFIXES)
 
@@ -47,22 +54,24 @@ def _needed(root: str = "fedcore", extras: frozenset[str] = frozenset({"test"}))
     return {name for name, _ in seen} - {canonicalize_name(root)}
 
 
-def test_constraints_pin_exactly_the_packages_the_project_needs_within_its_ranges():
+def test_constraints_pin_exactly_the_packages_the_project_needs():
+    """(A pin outside pyproject's ranges needs no test: pip refuses to install such a lock.)"""
     pins = _pins((ROOT / "constraints.txt").read_text())
+    try:
+        metadata.distribution("fedcore")
+    except metadata.PackageNotFoundError:
+        pytest.skip("fedcore is not installed (pip install -e .): no requirements to walk")
+    # what a package requires can change between its versions: walk the locked environment only (CI's, README's)
+    other = sorted(f"{n} {v} (lock: {pins[n]})" for n in pins if (v := _installed(n)) not in (None, pins[n]))
+    if other:
+        pytest.skip(f"this environment was not installed with -c constraints.txt: {', '.join(other[:3])}, ...")
     needed = {name for name in _needed() if _locked(name)}
     assert needed - set(pins) == set(), "needed but not pinned: run scripts/update_constraints.sh"
     assert set(pins) - needed == set(), "pinned but needed by nothing: run scripts/update_constraints.sh"
     assert not [name for name in pins if not _locked(name)], "tooling or torch's CUDA wheels pinned"
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    direct = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
-    outside = [f"{r.name}=={pins[canonicalize_name(r.name)]} (pyproject: {r.specifier})" for r in direct
-               if not r.specifier.contains(pins[canonicalize_name(r.name)], prereleases=True)]
-    assert outside == [], outside
 
 
 def test_the_pin_parser_refuses_a_range():
-    import pytest
-
     assert _pins("# lock\ntorch==2.14.1  # CI\nNumPy==2.4.6\n") == {"torch": "2.14.1", "numpy": "2.4.6"}
     with pytest.raises(AssertionError, match="not an exact pin"):
         _pins("pandas>=3\n")
