@@ -349,9 +349,11 @@ def test_results_must_be_a_directory_this_user_may_write(tmp_path, monkeypatch):
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
     for value in (str(locked), str(locked / "new" / "results")):
-        with pytest.raises(ConfigError, match=rf"at resources: '{value}' cannot be written: this user may not "
+        with pytest.raises(ConfigError, match=rf"at results: '{value}' cannot be written: this user may not "
                                               rf"write in '{locked}'"):
-            load_config({**DEFAULT, **parse_config([f"resources={value}"])}, ROOT)
+            load_config({**DEFAULT, **parse_config([f"results={value}"])}, ROOT)
+    # a site's read-only copy of the datasets and weights is a valid `resources`
+    assert load_config({**DEFAULT, "resources": str(locked)}, ROOT).top["resources"] == str(locked)
 
 
 def test_an_experiments_augment_reaches_every_method_of_it_and_no_other_run(tmp_path):

@@ -123,8 +123,8 @@ def apply_defaults(config: dict, schema: dict) -> dict:
 
 
 def check_output_dirs(top: dict) -> None:
-    """``results`` and ``resources`` are directories, or do not exist yet, in a directory this user may write
-    (relative to Snakemake's working directory, where the pipeline writes them)."""
+    """``results`` and ``resources`` are directories, or do not exist yet (relative to Snakemake's working
+    directory, where the pipeline writes them); this user may write ``results`` (or create it)."""
     for key in ("results", "resources"):
         path = Path(str(top[key]))
         for p in (path, *path.parents):
@@ -132,7 +132,9 @@ def check_output_dirs(top: dict) -> None:
                 if not p.is_dir():
                     raise ConfigError(f"config error in {TOP_WHERE} at {key}: {top[key]!r} must be a directory "
                                       f"(created if missing), but {str(p)!r} is a file")
-                if not os.access(p, os.W_OK | os.X_OK):  # else the first job (or fingerprint) fails mid-DAG
+                # every call writes under results (code fingerprints, logs); resources may be a site's read-only
+                # copy of the datasets and weights
+                if key == "results" and not os.access(p, os.W_OK | os.X_OK):
                     raise ConfigError(f"config error in {TOP_WHERE} at {key}: {top[key]!r} cannot be written: "
                                       f"this user may not write in {str(p)!r}")
                 break
