@@ -56,8 +56,8 @@ def test_contending_jobs_get_distinct_gpus_and_a_freed_one_is_taken_again(pool_e
 def test_a_job_waits_for_a_slot_that_frees(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_slots, "POLL_S", 0.05)
     held = acquire(["0"], tmp_path)
+    t0 = time.monotonic()   # before the timer starts: a stall between the two lines cannot shorten the measured wait
     threading.Timer(0.5, held.release).start()
-    t0 = time.monotonic()
     slot = acquire(["0"], tmp_path, wait_s=30)       # locks conflict between open files, threads of one process too
     assert slot.device == "0" and time.monotonic() - t0 >= 0.4
     slot.release()

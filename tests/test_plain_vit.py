@@ -61,6 +61,9 @@ def test_grad_checkpointing_gives_the_same_gradients() -> None:
 
 
 def test_trunc_normal_is_inverse_cdf_and_truncates() -> None:
+    # seeded: about 1 run in 800 draws a uniform of exactly -1 among the 20000 (p = 2^-24 each), whose erfinv is
+    # -inf, clamped to a = -2 (timm's method too): that one 100-sigma value alone puts the std near 0.0245
+    torch.manual_seed(0)
     t = trunc_normal_(torch.empty(20000), std=1.0, a=-0.5, b=0.5)
     assert t.min() >= -0.5 and t.max() <= 0.5 and t.std() < 0.3  # truncated to a quarter of N(0,1)'s width
     w = trunc_normal_(torch.empty(20000), std=0.02)
