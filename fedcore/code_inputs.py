@@ -186,13 +186,6 @@ def _strip_docstrings(tree: ast.Module, source: str) -> ast.Module:
     return tree
 
 
-def code_tree(path: Path) -> ast.Module:
-    """A module's code as Python runs it: its AST, in which comments and layout have no place, without its
-    docstrings (kept in a module that reads ``__doc__`` or calls ``getdoc``: it may print them)."""
-    source = path.read_text(encoding="utf-8")
-    return _strip_docstrings(ast.parse(source, str(path)), source)
-
-
 def _facts(data: bytes, name: str) -> dict:
     """What one parse of a source gives: its code's fingerprint and its fedcore imports (``_import_records``)."""
     source = data.decode("utf-8")
@@ -226,8 +219,8 @@ def keep_facts_in(file: Path) -> MemoFile:
 
 
 def fingerprint(path: Path) -> str:
-    """The sha256 of a module's code (``code_tree``): equal for two files that differ only in comments, layout or
-    docstrings, and the same under Python 3.11 and 3.12."""
+    """The sha256 of a module's code as Python runs it (its AST without docstrings, ``_facts``): equal for two files
+    that differ only in comments, layout or docstrings, and the same under Python 3.11 and 3.12."""
     return source_facts(path)["fingerprint"]
 
 
