@@ -34,3 +34,17 @@ def test_outputs_of_the_wrong_shape_says_what_it_may_be(outputs, needle):
 def test_a_single_paper_not_in_a_list_says_how_to_write_it():
     with pytest.raises(ConfigError, match=r"at papers: 'sgpt' is not of type 'array'; write a list, e\.g\. \[sgpt\]"):
         load_config({**DEFAULT, "papers": "sgpt"}, ROOT)
+
+
+def test_a_yaml_mistake_in_config_yaml_names_the_file_and_line_before_snakemake_reads_it(tmp_path):
+    """Snakemake's `configfile:` says only 'Config file is not valid JSON or YAML'; the Snakefile parses the file
+    with fedcore first, whose message names the file, the line and the column."""
+    from fedcore.config import check_config_file
+
+    path = tmp_path / "config.yaml"
+    path.write_text("scale: mini\nseeds:\t[0]\n")
+    with pytest.raises(ConfigError, match=rf"(?s)config file {path} is not valid YAML: .*line 2, column 7"):
+        check_config_file(path)
+    check_config_file(tmp_path / "absent.yaml")  # a --configfile run may have none: Snakemake decides then
+    snakefile = (ROOT / "Snakefile").read_text()
+    assert 0 <= snakefile.find('check_config_file(Path("config/config.yaml"))') < snakefile.find("configfile:")
