@@ -48,3 +48,50 @@ def test_a_yaml_mistake_in_config_yaml_names_the_file_and_line_before_snakemake_
     check_config_file(tmp_path / "absent.yaml")  # a --configfile run may have none: Snakemake decides then
     snakefile = (ROOT / "Snakefile").read_text()
     assert 0 <= snakefile.find('check_config_file(Path("config/config.yaml"))') < snakefile.find("configfile:")
+
+
+def test_a_partition_error_names_the_experiment_file_and_the_scale(tmp_path):
+    """mini overrides sgpt_c100_s50's clients, so clients: 0 fails at paper scale: the message said only
+    'config error in experiment sgpt_c100_s50 at partition', not where the value was written."""
+    root = _edit_experiments(tmp_path, lambda d: d["experiments"]["sgpt_c100_s50"]["partition"].update(clients=0))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    msg = str(e.value)
+    assert f"config error in {root / 'config/experiments/sgpt.yaml'} after {root / 'config/scales/paper.yaml'}" in msg
+    assert "experiment sgpt_c100_s50 at partition: partition key 'clients' must be an integer >= 1, got 0" in msg
+
+
+def test_a_scale_overrides_partition_error_names_the_scale_file(tmp_path):
+    root = _copy_config(tmp_path)
+    _edit_mini(root, lambda d: d["experiments"]["sgpt_five"]["partition"].update(clients_per_domain="two"))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert f"after {root / 'config/scales/mini/sgpt.yaml'}: experiment sgpt_five at partition" in str(e.value)
+
+
+def test_a_report_window_longer_than_the_rounds_names_the_files(tmp_path):
+    root = _edit_experiments(tmp_path, lambda d: d["experiments"]["sgpt_c100_s50"]["report"].update(rounds=100))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert (f"config error in {root / 'config/experiments/sgpt.yaml'} after {root / 'config/scales/paper.yaml'}: "
+            "experiment sgpt_c100_s50: report.rounds=100 exceeds federation.rounds=60") in str(e.value)
+
+
+def test_an_experiment_name_used_twice_names_both_files(tmp_path):
+    root = _copy_config(tmp_path)
+    office = yaml.safe_load((root / "config/experiments/sgpt.yaml").read_text())["experiments"]["sgpt_office"]
+    _edit_yaml(root / "config/experiments/fedotp.yaml", lambda d: d["experiments"].update(sgpt_office=office))
+    with pytest.raises(ConfigError) as e:
+        load_config({**DEFAULT, "papers": ["sgpt", "fedotp"]}, root)
+    assert (f"config error in {root / 'config/experiments/fedotp.yaml'} at experiments.sgpt_office: the name is "
+            f"already an experiment of {root / 'config/experiments/sgpt.yaml'}") in str(e.value)
+
+
+def test_a_table_name_used_twice_names_both_files(tmp_path):
+    root = _copy_config(tmp_path)
+    table = yaml.safe_load((root / "config/reports/sgpt.yaml").read_text())["tables"]["sgpt_table5"]
+    _edit_yaml(root / "config/reports/fedotp.yaml", lambda d: d["tables"].update(sgpt_table5=table))
+    with pytest.raises(ConfigError) as e:
+        load_config({**DEFAULT, "papers": ["sgpt", "fedotp"]}, root)
+    assert (f"config error in {root / 'config/reports/fedotp.yaml'} at tables.sgpt_table5: the name is already a "
+            f"table of {root / 'config/reports/sgpt.yaml'}") in str(e.value)

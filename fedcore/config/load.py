@@ -57,13 +57,16 @@ def load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved
                 raise ConfigError(f"config error in {vwhere}: the name {vname!r} is already a method or variant")
             resolved.variants[vname] = variant
         for name, exp in doc["experiments"].items():
-            if name in resolved.experiments:
-                raise ConfigError(f"experiment {name!r} in {exp_file} is defined twice")
+            if name in resolved.experiments:  # runs, tables and results are keyed by the name alone
+                first = root / CONFIG_DIR / "experiments" / f"{resolved.experiments[name]['paper']}.yaml"
+                raise ConfigError(f"config error in {exp_file} at experiments.{name}: the name is already an "
+                                  f"experiment of {first}; experiment names must be unique across papers")
             where = f"{exp_file} (experiment {name})"
             check_name(exp["dataset"], scale["datasets"], where, "dataset")
             check_name(exp["backbone"], scale["backbones"], where, "backbone")
-            resolved.experiments[name] = out = resolve_experiment(name, exp, doc["paper"], scale, scale_file,
-                                                                   validate_spec, partition_id)
+            resolved.experiments[name] = out = resolve_experiment(name, exp, doc["paper"], scale,
+                                                                   f"{exp_file} after {scale_file}", validate_spec,
+                                                                   partition_id)
             where = f"{where} after {scale_file}"
             runnable = set(method_names()) | set(resolved.variants)
             for i, m in enumerate(out["methods"]):

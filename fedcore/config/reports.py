@@ -57,8 +57,10 @@ def load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: d
     labels = {**{v: x["label"] for v, x in resolved.variants.items() if "label" in x}, **report.get("labels", {})}
     for kind, definition in (("tables", "table"), ("figures", "figure")):
         for name, entry in report.get(kind, {}).items():
-            if name in getattr(resolved, kind):
-                raise ConfigError(f"{kind[:-1]} {name!r} in {report_file} is defined twice")
+            if name in getattr(resolved, kind):  # output files are named by the name alone
+                first = root / CONFIG_DIR / "reports" / f"{getattr(resolved, kind)[name]['source_paper']}.yaml"
+                raise ConfigError(f"config error in {report_file} at {kind}.{name}: the name is already a "
+                                  f"{kind[:-1]} of {first}; table and figure names must be unique across papers")
             where = f"{report_file} ({kind[:-1]} {name})"
             override = scale.get(kind, {}).get(name)
             if override is not None:
