@@ -95,3 +95,13 @@ def test_a_table_name_used_twice_names_both_files(tmp_path):
         load_config({**DEFAULT, "papers": ["sgpt", "fedotp"]}, root)
     assert (f"config error in {root / 'config/reports/fedotp.yaml'} at tables.sgpt_table5: the name is already a "
             f"table of {root / 'config/reports/sgpt.yaml'}") in str(e.value)
+
+
+def test_an_unknown_arch_is_named_not_its_tag(tmp_path):
+    """A misspelt arch said 'unknown weight tag 'digits' for arch 'vit_mni'; known tags: []'."""
+    root = _copy_config(tmp_path)
+    _edit_yaml(root / "config/backbones.yaml", lambda d: d["vit_mini"].update(arch="vit_mni"))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert "backbones.yaml (vit_mini) at arch: 'vit_mni' is not one of [" in str(e.value)
+    assert "'vit_mini'" in str(e.value) and "known tags" not in str(e.value)

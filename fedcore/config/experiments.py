@@ -112,8 +112,10 @@ def check_backbone_entry(name: str, entry: dict, path: Path) -> None:
     """A backbone entry names a registered arch and one of its weight tags (registry.PRETRAINED_CFGS), and its
     `pretrain:` keys are ones its objective's pretraining accepts."""
     from fedcore.backbones.pretrain import objective_keys
-    from fedcore.backbones.registry import pretrained_cfg
+    from fedcore.backbones.registry import ARCH_SPECS, pretrained_cfg
 
+    # the arch first: an unknown one would otherwise be reported as an unknown tag (its known tags: none)
+    check_name(entry["arch"], ARCH_SPECS, f"{path} ({name})", "arch")
     try:
         pretrained_cfg(entry["arch"], entry.get("tag"))
     except ValueError as e:
