@@ -105,3 +105,14 @@ def test_an_unknown_arch_is_named_not_its_tag(tmp_path):
         load_config(DEFAULT, root)
     assert "backbones.yaml (vit_mini) at arch: 'vit_mni' is not one of [" in str(e.value)
     assert "'vit_mini'" in str(e.value) and "known tags" not in str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [("sha256", "12345zz"), ("md5", "c58f30108f718f92721af3b95e74349")])
+def test_a_malformed_checksum_is_refused_when_the_config_loads(tmp_path, key, value):
+    """checksums.yaml was read only by the data jobs: a mistyped digest failed after a download, at paper scale."""
+    root = _copy_config(tmp_path)
+    _edit_yaml(root / "config/checksums.yaml", lambda d: d["files"][0].update({key: value}))
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert f"config error in {root / 'config/checksums.yaml'}: files[0] (dataset 'cifar10'" in str(e.value)
+    assert f"key '{key}' must be null or" in str(e.value) and repr(value) in str(e.value)

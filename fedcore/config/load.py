@@ -26,11 +26,23 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
     for name, entry in backbones.items():
         validate(entry, schema, "backbone_entry", f"{backbones_file} ({name})")
         check_backbone_entry(name, entry, backbones_file)
+    check_checksums(root / CONFIG_DIR / "checksums.yaml")
     resolved = load_scale(top, root, schema, backbones)
     for scale in schema["$defs"]["top"]["properties"]["scale"]["enum"]:
         if scale != top["scale"]:
             resolved._scales[scale] = load_scale({**top, "scale": scale}, root, schema, backbones)
     return resolved
+
+
+def check_checksums(path: Path) -> None:
+    """config/checksums.yaml has the shape the data rules read (fedcore.data.registry): checked here, since otherwise
+    a mistyped digest or URL is found only by a download job, at paper scale, after the download."""
+    from fedcore.data.registry import ChecksumsConfigError, validate_checksums
+
+    try:
+        validate_checksums(read_yaml(path), source=str(path))
+    except ChecksumsConfigError as e:
+        raise ConfigError(f"config error in {e}") from e
 
 
 def load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved:
