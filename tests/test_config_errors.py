@@ -116,3 +116,21 @@ def test_a_malformed_checksum_is_refused_when_the_config_loads(tmp_path, key, va
         load_config(DEFAULT, root)
     assert f"config error in {root / 'config/checksums.yaml'}: files[0] (dataset 'cifar10'" in str(e.value)
     assert f"key '{key}' must be null or" in str(e.value) and repr(value) in str(e.value)
+
+
+@pytest.mark.parametrize("column", [{"client": 4}, {"clients": [0, 4]}])
+def test_a_client_column_beyond_the_experiments_clients_is_refused(tmp_path, column):
+    """sgpt_office has 4 clients (0..3): a column reading client 4 was accepted, and its cell said 'missing
+    metric' once every run had trained."""
+    root = _copy_config(tmp_path)
+
+    def edit(doc):
+        col = doc["tables"]["sgpt_table2"]["columns"][3]
+        col.pop("client")
+        col.update(column)
+
+    _edit_yaml(root / "config/reports/sgpt.yaml", edit)
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, root)
+    assert "sgpt.yaml (table sgpt_table2)" in str(e.value)
+    assert ("at columns[3]: client 4 of experiment 'sgpt_office', which has 4 clients (0..3)") in str(e.value)
