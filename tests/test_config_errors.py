@@ -134,3 +134,25 @@ def test_a_client_column_beyond_the_experiments_clients_is_refused(tmp_path, col
         load_config(DEFAULT, root)
     assert "sgpt.yaml (table sgpt_table2)" in str(e.value)
     assert ("at columns[3]: client 4 of experiment 'sgpt_office', which has 4 clients (0..3)") in str(e.value)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--scale", "papr"], "at scale: 'papr' is not one of ['mini', 'paper', 'smoke']"),
+    (["--seed", "-1"], "--seed: -1 is not a seed (an integer >= 0)"),
+])
+def test_plan_reports_a_bad_argument_as_a_usage_error(capsys, args, needle):
+    """`python -m fedcore.plan` printed a traceback for a config error, and planned seed -1."""
+    from fedcore.plan import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["sgpt_office", "sgpt", "--root", str(ROOT), *args])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_plan_outside_a_checkout_says_where_it_looked(capsys, tmp_path):
+    from fedcore.plan import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["sgpt_office", "sgpt", "--root", str(tmp_path)])
+    assert e.value.code == 2
+    assert f"config file {tmp_path / 'config/config.yaml'} does not exist" in capsys.readouterr().err
