@@ -4,8 +4,9 @@
 # All logic lives in the fedcore package; rules only wire files together.
 from pathlib import Path
 
-from fedcore.config import load_config
+from fedcore.config import check_config_file, load_config
 
+check_config_file(Path("config/config.yaml"))  # a YAML mistake named with its line (Snakemake's message has none)
 configfile: "config/config.yaml"
 report: "workflow/report/workflow.rst"  # the HTML report's front text (snakemake --report results/report.html)
 

@@ -12,7 +12,7 @@ import yaml
 
 from fedcore.artifacts import artifact_module
 from fedcore.backbones.registry import UNPINNED, arch_spec
-from fedcore.config import load_config, run_backbones
+from fedcore.config import ConfigError, load_config, read_yaml, run_backbones
 from fedcore.methods import method_class, method_module
 
 if TYPE_CHECKING:
@@ -135,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--root", default=".", help="the checkout holding config/")
     a = ap.parse_args(argv)
-    top = yaml.safe_load((Path(a.root) / "config" / "config.yaml").read_text()) or {}
-    cfg = load_config({**top, **({"scale": a.scale} if a.scale else {}), "outputs": "all"}, a.root)
+    if a.seed < 0:  # the config's seeds are >= 0 (schema); a plan for another seed is no run's
+        ap.error(f"--seed: {a.seed} is not a seed (an integer >= 0)")
+    try:  # a config mistake is the user's to fix: its message, not a traceback
+        top = read_yaml(Path(a.root) / "config" / "config.yaml")
+        cfg = load_config({**top, **({"scale": a.scale} if a.scale else {}), "outputs": "all"}, a.root)
+    except ConfigError as e:
+        ap.error(str(e))
     if a.experiment not in cfg.experiments:
         ap.error(f"no experiment {a.experiment!r} at scale {cfg.scale}; experiments: {sorted(cfg.experiments)}")
     if a.method not in cfg.experiments[a.experiment]["methods"]:

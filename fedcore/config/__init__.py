@@ -11,8 +11,9 @@ values.
     resolved.py     ``Resolved``: the resolved configuration and its per-run views
     load.py         ``load_config``: all of it, at every scale
 """
-from fedcore.config.files import ConfigError, deep_merge, read_yaml, validate
+from fedcore.config.files import ConfigError, check_config_file, deep_merge, read_yaml, validate
 from fedcore.config.load import load_config
 from fedcore.config.resolved import Resolved, run_backbones
 
-__all__ = ["ConfigError", "Resolved", "deep_merge", "load_config", "read_yaml", "run_backbones", "validate"]
+__all__ = ["ConfigError", "Resolved", "check_config_file", "deep_merge", "load_config", "read_yaml", "run_backbones",
+           "validate"]

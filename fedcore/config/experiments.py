@@ -112,8 +112,10 @@ def check_backbone_entry(name: str, entry: dict, path: Path) -> None:
     """A backbone entry names a registered arch and one of its weight tags (registry.PRETRAINED_CFGS), and its
     `pretrain:` keys are ones its objective's pretraining accepts."""
     from fedcore.backbones.pretrain import objective_keys
-    from fedcore.backbones.registry import pretrained_cfg
+    from fedcore.backbones.registry import ARCH_SPECS, pretrained_cfg
 
+    # the arch first: an unknown one would otherwise be reported as an unknown tag (its known tags: none)
+    check_name(entry["arch"], ARCH_SPECS, f"{path} ({name})", "arch")
     try:
         pretrained_cfg(entry["arch"], entry.get("tag"))
     except ValueError as e:
@@ -126,9 +128,10 @@ def check_backbone_entry(name: str, entry: dict, path: Path) -> None:
                           f"{objective} objective; it takes {objective_keys(objective)}")
 
 
-def resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_file: Path,
-                        validate_spec, partition_id) -> dict:
-    """Map one experiment onto the scale: concrete dataset/backbone, budget, per-experiment overrides."""
+def resolve_experiment(name: str, exp: dict, paper: str, scale: dict, files: str, validate_spec,
+                       partition_id) -> dict:
+    """Map one experiment onto the scale: concrete dataset/backbone, budget, per-experiment overrides; errors name
+    ``files`` (the experiment file after the scale's), where the values were written."""
     out = copy.deepcopy(exp)
     out["paper"] = paper
     out.setdefault("evaluation", {})
@@ -151,28 +154,28 @@ def resolve_experiment(name: str, exp: dict, paper: str, scale: dict, scale_file
     out["backbone"] = scale["backbones"][exp["backbone"]]
     if "client_backbones" in exp:
         for i, b in enumerate(exp["client_backbones"]):
-            check_name(b, scale["backbones"], f"experiment {name}", f"client_backbones[{i}]")
+            check_name(b, scale["backbones"], f"{files} (experiment {name})", f"client_backbones[{i}]")
         out["client_backbones"] = [scale["backbones"][b] for b in exp["client_backbones"]]
     missing = [k for k in ("rounds", "participation", "local_epochs", "batch_size") if k not in out["federation"]]
     if missing:
-        raise ConfigError(f"experiment {name}: federation is missing {missing} after applying {scale_file}")
+        raise ConfigError(f"config error in {files}: experiment {name}: federation is missing {missing}")
     # no silent defaults for what sets a run's numbers: the optimiser and its learning rate are the paper's to state
     missing = [k for k in ("name", "lr") if k not in out.get("optimizer", {})]
     if missing:
-        raise ConfigError(f"experiment {name}: optimizer is missing {missing} after applying {scale_file} (no "
+        raise ConfigError(f"config error in {files}: experiment {name}: optimizer is missing {missing} (no "
                           "default: write the paper's value)")
     try:
         out["partition"] = validate_spec(out["partition"])
     except ValueError as e:
-        raise ConfigError(f"config error in experiment {name} at partition: {e}") from e
+        raise ConfigError(f"config error in {files}: experiment {name} at partition: {e}") from e
     out["partition_id"] = partition_id(out["partition"])
     window = out["report"]
     if window["window"] == "last" and window.get("rounds", 1) > out["federation"]["rounds"]:
-        raise ConfigError(f"experiment {name}: report.rounds={window['rounds']} exceeds federation.rounds="
-                          f"{out['federation']['rounds']}")
+        raise ConfigError(f"config error in {files}: experiment {name}: report.rounds={window['rounds']} exceeds "
+                          f"federation.rounds={out['federation']['rounds']}")
     every = int(out.get("evaluation", {}).get("every", 1))
     if window["window"] == "best" and every != 1:
         # the best round must be chosen among all rounds, not among the evaluated ones only
-        raise ConfigError(f"experiment {name}: report.window 'best' needs every round evaluated, but "
-                          f"evaluation.every={every} after applying {scale_file}; set evaluation: {{every: 1}}")
+        raise ConfigError(f"config error in {files}: experiment {name}: report.window 'best' needs every round "
+                          f"evaluated, but evaluation.every={every}; set evaluation: {{every: 1}}")
     return out

@@ -47,6 +47,18 @@ def read_yaml(path: Path) -> dict:
     return copy.deepcopy(data)
 
 
+def check_config_file(path: Path) -> None:
+    """Parse the workflow's config file as Snakemake's ``configfile:`` will (PyYAML's pure-Python loader, stricter
+    about tabs than libyaml), so that a YAML mistake names the file, line and column: Snakemake's own message names
+    neither. A missing file is left to Snakemake (a run may give ``--configfile`` instead)."""
+    if not path.exists():
+        return
+    try:
+        yaml.load(path.read_text(), Loader=yaml.SafeLoader)  # noqa: S506 - a safe loader
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+
+
 def deep_merge(base: dict, override: dict) -> dict:
     """``base`` updated recursively by ``override`` (neither is modified)."""
     out = copy.deepcopy(base)
@@ -70,13 +82,32 @@ def _format_path(path) -> str:
     return out or "<top level>"
 
 
+def _describe(schema: dict) -> str:
+    """What one alternative of a ``oneOf`` accepts, in words: 'one of [...]', 'a non-empty list of str'."""
+    if "enum" in schema:
+        return f"one of {schema['enum']}"
+    if schema.get("type") == "array":
+        items = schema.get("items", {}).get("type")
+        return ("a non-empty list" if schema.get("minItems") else "a list") + (f" of {items}" if items else "")
+    if "required" in schema:
+        return f"an entry with {schema['required']}"
+    return f"a {schema['type']}" if "type" in schema else "a value of another shape"
+
+
 def _allowed_hint(error: jsonschema.ValidationError) -> str:
-    """The allowed values or keys for an error, when the schema says."""
+    """The allowed values or keys for an error, when the schema says; how to write a list where a single name
+    was given (`--config outputs=sgpt_table1`, `papers=sgpt`)."""
     if error.validator == "enum":
         return f"; allowed values: {error.validator_value}"
     if error.validator == "additionalProperties" and "properties" in error.schema:
         return f"; allowed keys: {sorted(error.schema['properties'])}"
-    return ""
+    alternatives = error.validator_value if error.validator == "oneOf" else []
+    hint = f"; expected {' or '.join(_describe(s) for s in alternatives)}" if alternatives else ""
+    wants_list = (error.validator == "type" and error.validator_value == "array"
+                  or any(s.get("type") == "array" for s in alternatives))
+    if wants_list and isinstance(error.instance, str):
+        hint += f"; write a list, e.g. [{error.instance}]"
+    return hint
 
 
 def validate(instance: Any, schema_doc: dict, definition: str, where: str) -> None:

@@ -26,11 +26,23 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
     for name, entry in backbones.items():
         validate(entry, schema, "backbone_entry", f"{backbones_file} ({name})")
         check_backbone_entry(name, entry, backbones_file)
+    check_checksums(root / CONFIG_DIR / "checksums.yaml")
     resolved = load_scale(top, root, schema, backbones)
     for scale in schema["$defs"]["top"]["properties"]["scale"]["enum"]:
         if scale != top["scale"]:
             resolved._scales[scale] = load_scale({**top, "scale": scale}, root, schema, backbones)
     return resolved
+
+
+def check_checksums(path: Path) -> None:
+    """config/checksums.yaml has the shape the data rules read (fedcore.data.registry): checked here, since otherwise
+    a mistyped digest or URL is found only by a download job, at paper scale, after the download."""
+    from fedcore.data.registry import ChecksumsConfigError, validate_checksums
+
+    try:
+        validate_checksums(read_yaml(path), source=str(path))
+    except ChecksumsConfigError as e:
+        raise ConfigError(f"config error in {e}") from e
 
 
 def load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved:
@@ -57,13 +69,16 @@ def load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved
                 raise ConfigError(f"config error in {vwhere}: the name {vname!r} is already a method or variant")
             resolved.variants[vname] = variant
         for name, exp in doc["experiments"].items():
-            if name in resolved.experiments:
-                raise ConfigError(f"experiment {name!r} in {exp_file} is defined twice")
+            if name in resolved.experiments:  # runs, tables and results are keyed by the name alone
+                first = root / CONFIG_DIR / "experiments" / f"{resolved.experiments[name]['paper']}.yaml"
+                raise ConfigError(f"config error in {exp_file} at experiments.{name}: the name is already an "
+                                  f"experiment of {first}; experiment names must be unique across papers")
             where = f"{exp_file} (experiment {name})"
             check_name(exp["dataset"], scale["datasets"], where, "dataset")
             check_name(exp["backbone"], scale["backbones"], where, "backbone")
-            resolved.experiments[name] = out = resolve_experiment(name, exp, doc["paper"], scale, scale_file,
-                                                                   validate_spec, partition_id)
+            resolved.experiments[name] = out = resolve_experiment(name, exp, doc["paper"], scale,
+                                                                   f"{exp_file} after {scale_file}", validate_spec,
+                                                                   partition_id)
             where = f"{where} after {scale_file}"
             runnable = set(method_names()) | set(resolved.variants)
             for i, m in enumerate(out["methods"]):

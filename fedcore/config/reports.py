@@ -57,8 +57,10 @@ def load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: d
     labels = {**{v: x["label"] for v, x in resolved.variants.items() if "label" in x}, **report.get("labels", {})}
     for kind, definition in (("tables", "table"), ("figures", "figure")):
         for name, entry in report.get(kind, {}).items():
-            if name in getattr(resolved, kind):
-                raise ConfigError(f"{kind[:-1]} {name!r} in {report_file} is defined twice")
+            if name in getattr(resolved, kind):  # output files are named by the name alone
+                first = root / CONFIG_DIR / "reports" / f"{getattr(resolved, kind)[name]['source_paper']}.yaml"
+                raise ConfigError(f"config error in {report_file} at {kind}.{name}: the name is already a "
+                                  f"{kind[:-1]} of {first}; table and figure names must be unique across papers")
             where = f"{report_file} ({kind[:-1]} {name})"
             override = scale.get(kind, {}).get(name)
             if override is not None:
@@ -189,6 +191,10 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
         if "clients" in col and col["metric"] != "client_acc":
             raise ConfigError(f"config error in {where} at columns[{i}]: 'clients' goes with metric client_acc, "
                               f"not {col['metric']!r}")
+        if col["metric"] == "client_acc":
+            for exp in dict.fromkeys([col["experiment"], *(row_source(table, r, col)[1]["experiment"]
+                                                           for r in sources)]):
+                _check_client_indices(col, exp, experiments[exp], f"{where} at columns[{i}]")
     _check_paper_rows(table, where)
     attrs = table.get("row_attributes")
     if attrs:
@@ -197,6 +203,19 @@ def _check_table(table: dict, experiments: dict, where: str, runnable: set[str])
             if len(values) != len(attrs["columns"]):
                 raise ConfigError(f"config error in {where} at row_attributes.values.{row}: {len(values)} values "
                                   f"for {len(attrs['columns'])} columns")
+
+
+def _check_client_indices(col: dict, name: str, exp: dict, where: str) -> None:
+    """A client_acc column reads clients the experiment has at this scale (else its cell says 'missing metric'
+    once every run has trained)."""
+    from fedcore.data.facts import dataset_facts
+    from fedcore.partition.spec import num_clients
+
+    clients = num_clients(exp["partition"], dataset_facts(exp["dataset"]).domains)
+    for c in [col["client"]] if "client" in col else col["clients"]:
+        if not 0 <= c < clients:
+            raise ConfigError(f"config error in {where}: client {c} of experiment {name!r}, which has {clients} "
+                              f"clients (0..{clients - 1})")
 
 
 def _check_paper_rows(table: dict, where: str) -> None:
