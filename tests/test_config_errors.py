@@ -156,3 +156,32 @@ def test_plan_outside_a_checkout_says_where_it_looked(capsys, tmp_path):
         main(["sgpt_office", "sgpt", "--root", str(tmp_path)])
     assert e.value.code == 2
     assert f"config file {tmp_path / 'config/config.yaml'} does not exist" in capsys.readouterr().err
+
+
+def test_an_experiment_written_twice_in_one_file_is_refused_with_both_lines(tmp_path):
+    """A copied experiment left under its old name replaced the first one silently (YAML keeps the last key), and
+    the error, if any, came later from a report naming the lost experiment."""
+    root = _copy_config(tmp_path)
+    path = root / "config/experiments/sgpt.yaml"
+    lines = path.read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.startswith("  sgpt_office:"))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("  ") and not lines[i][2].isspace())
+    path.write_text("".join(lines[:end] + lines[start:end] + lines[end:]))  # the block again, just below itself
+    with pytest.raises(ConfigError, match=rf"config file {path}: key 'sgpt_office' is written twice in one mapping "
+                                          rf"\(lines {start + 1} and {end + 1}\); YAML would keep only the second"):
+        load_config(DEFAULT, root)
+
+
+def test_a_key_a_merge_brings_in_may_be_overridden_but_not_written_twice(tmp_path):
+    """`<<: *anchor` then the same key is YAML's way to override (fedotp.yaml, scales/mini/fedpft.yaml use it)."""
+    from fedcore.config import check_config_file, read_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text("base: &b {x: 1, y: 2}\nover: {<<: *b, x: 3}\nlist: [{<<: *b}, {<<: *b, y: 4}]\n")
+    assert read_yaml(path) == {"base": {"x": 1, "y": 2}, "over": {"x": 3, "y": 2},
+                               "list": [{"x": 1, "y": 2}, {"x": 1, "y": 4}]}
+    check_config_file(path)
+    path.write_text("top:\n  seeds: [0]\n  scale: mini\n  seeds: [1]\n")
+    for read in (read_yaml, check_config_file):  # fedcore's loader and the one Snakemake's configfile: uses
+        with pytest.raises(ConfigError, match=r"key 'seeds' is written twice in one mapping \(lines 2 and 4\)"):
+            read(path)

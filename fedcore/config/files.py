@@ -37,10 +37,7 @@ def read_yaml(path: Path) -> dict:
     stat = path.stat()
     key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
     if key not in _YAML_CACHE:
-        try:
-            _YAML_CACHE[key] = yaml.load(path.read_text(), Loader=_YAML_LOADER)  # noqa: S506 - a safe loader
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+        _YAML_CACHE[key] = _parse_yaml(path, _YAML_LOADER)
     data = _YAML_CACHE[key]
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
@@ -50,13 +47,50 @@ def read_yaml(path: Path) -> dict:
 def check_config_file(path: Path) -> None:
     """Parse the workflow's config file as Snakemake's ``configfile:`` will (PyYAML's pure-Python loader, stricter
     about tabs than libyaml), so that a YAML mistake names the file, line and column: Snakemake's own message names
-    neither. A missing file is left to Snakemake (a run may give ``--configfile`` instead)."""
-    if not path.exists():
-        return
+    neither; a key written twice is refused as in every config file. A missing file is left to Snakemake (a run
+    may give ``--configfile`` instead)."""
+    if path.exists():
+        _parse_yaml(path, yaml.SafeLoader)
+
+
+def _parse_yaml(path: Path, loader_class: type) -> Any:
+    """The YAML document in ``path`` (a safe loader), or a ConfigError naming the file, line and column; a key
+    written twice in one mapping is an error too, since YAML itself silently keeps the last one."""
+    loader = loader_class(path.read_text())
     try:
-        yaml.load(path.read_text(), Loader=yaml.SafeLoader)  # noqa: S506 - a safe loader
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_repeated_keys(node, path)
+        return loader.construct_document(node)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    finally:
+        loader.dispose()
+
+
+def _refuse_repeated_keys(root: yaml.Node, path: Path) -> None:
+    """ConfigError for a mapping that writes one key twice (a copied experiment would silently replace the first).
+    Keys a merge brings in (``<<: *anchor``) may be overridden: only the keys written in the mapping count."""
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:  # an aliased node is walked once
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    line = key.start_mark.line + 1
+                    if (key.tag, key.value) in lines:
+                        raise ConfigError(f"config file {path}: key {key.value!r} is written twice in one mapping "
+                                          f"(lines {lines[key.tag, key.value]} and {line}); YAML would keep only "
+                                          "the second")
+                    lines[key.tag, key.value] = line
+                stack.extend((key, value))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
 
 
 def deep_merge(base: dict, override: dict) -> dict:
