@@ -102,7 +102,7 @@ def test_train_params_are_one_runs_slice():
     ({"seeds": [0, "one"]}, "at seeds[1]: 'one' is not of type 'integer'"),
     ({"papers": ["sgtp"]}, "at papers[0]: 'sgtp' is not one of ['sgpt', 'fedhpl', 'fedotp', 'fedpft']"),
     ({"sedes": [0]}, "'sedes' was unexpected"),
-    ({"device": "tpu"}, "allowed values: ['auto', 'cpu', 'cuda']"),
+    ({"device": "tpu"}, "at device: 'tpu' is not one of ['auto', 'cpu', 'cuda']"),
 ])
 def test_top_level_errors_name_key_and_allowed(override, needle):
     with pytest.raises(ConfigError) as e:

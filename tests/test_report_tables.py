@@ -137,7 +137,7 @@ def test_table_row_typo_and_attribute_length_are_errors(tmp_path: Path):
 def test_unknown_figure_kind_names_allowed_kinds(tmp_path: Path):
     root = _copy(tmp_path)
     _edit(root / "config" / "reports" / "sgpt.yaml", lambda d: d["figures"]["sgpt_fig7"].update(kind="pie"))
-    with pytest.raises(ConfigError, match=r"allowed values: \['accuracy_per_round', 'scatter'"):
+    with pytest.raises(ConfigError, match=r"'pie' is not one of \['accuracy_per_round', 'scatter'"):
         load_config(DEFAULT, root)
 
 

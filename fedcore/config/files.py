@@ -129,10 +129,8 @@ def _describe(schema: dict) -> str:
 
 
 def _allowed_hint(error: jsonschema.ValidationError) -> str:
-    """The allowed values or keys for an error, when the schema says; how to write a list where a single name
-    was given (`--config outputs=sgpt_table1`, `papers=sgpt`)."""
-    if error.validator == "enum":
-        return f"; allowed values: {error.validator_value}"
+    """The allowed keys for an error, when the schema says (an enum's own message lists its values); how to
+    write a list where a single name was given (`--config outputs=sgpt_table1`, `papers=sgpt`)."""
     if error.validator == "additionalProperties" and "properties" in error.schema:
         return f"; allowed keys: {sorted(error.schema['properties'])}"
     alternatives = error.validator_value if error.validator == "oneOf" else []
