@@ -60,7 +60,8 @@ def _check_name(name: str) -> None:
 
 # ---- checksums config ----------------------------------------------------------------------------
 _KEYS = {"dataset", "filename", "url", "manual", "instructions", "md5", "sha256", "size", "note"}
-_HEX = {"md5": re.compile(r"^[0-9a-f]{32}$"), "sha256": re.compile(r"^[0-9a-f]{64}$")}
+_HEX_DIGITS = {"md5": 32, "sha256": 64}
+_HEX = {algo: re.compile(rf"^[0-9a-f]{{{n}}}$") for algo, n in _HEX_DIGITS.items()}
 
 
 def validate_checksums(data: object, source: str = "checksums") -> dict:
@@ -103,7 +104,7 @@ def validate_checksums(data: object, source: str = "checksums") -> dict:
         for algo, pattern in _HEX.items():
             v = e.get(algo)
             if v is not None and (not isinstance(v, str) or not pattern.match(v.lower())):
-                raise ChecksumsConfigError(f"{where}: key '{algo}' must be null or {pattern.pattern[2:-2]} "
+                raise ChecksumsConfigError(f"{where}: key '{algo}' must be null or {_HEX_DIGITS[algo]} "
                                            f"hex digits, got {v!r}")
             digests[algo] = v.lower() if v else None
         size = e.get("size")
