@@ -21,6 +21,10 @@ METRIC_SCHEMA: list[tuple[str, str]] = [
 METRIC_COLUMNS: list[str] = [name for name, _ in METRIC_SCHEMA]
 METRIC_DTYPES: dict[str, str] = dict(METRIC_SCHEMA)
 
+# A round whose trained state held a NaN or an infinity (client -1, split "train", value: how many tensors);
+# written by the engine (fedcore/engine/health.py), marked by the report on every number of the run.
+DIVERGED = "diverged"
+
 
 def contingency(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Counts table (max(a)+1, max(b)+1) of pairs (a_i, b_i)."""

@@ -192,6 +192,33 @@ def test_frozen_backbone_is_not_changed_by_prompt_methods(tiny_run_files, tmp_pa
     assert all(torch.equal(before[k], v) for k, v in vit.state_dict().items())
 
 
+def test_a_run_whose_state_goes_non_finite_trains_on_and_records_each_round(tiny_run_files, tmp_path, caplog):
+    """lr = inf sends FedVPT's prompts to NaN/inf in round 1: the run goes on to its last round, as the papers' code
+    would, but each round adds a `diverged` row (how many tensors) and the log says so; a healthy run has none."""
+    params = run_params(rounds=2)
+    params["optimizer"]["lr"] = float("inf")
+    with caplog.at_level(logging.WARNING, logger="fedcore.engine.loop"):
+        m = train_run(params, identity("fedvpt"), tiny_run_files["dataset"], tiny_run_files["partition"], "vit_mini",
+                      tiny_run_files["weights"], tmp_path / "m.parquet", tmp_path / "f.pt", progress=False).metrics
+    div = m[m["metric"] == "diverged"]
+    assert div["round"].tolist() == [1, 2] and (div["client"] == -1).all() and (div["split"] == "train").all()
+    assert (div["value"] >= 1).all() and "round 1:" in caplog.text and "hold NaN or inf" in caplog.text
+    assert m["round"].max() == 2  # trained on
+    (tmp_path / "ok").mkdir()
+    assert not (_train(tiny_run_files, tmp_path / "ok", rounds=2).metrics["metric"] == "diverged").any()
+
+
+def test_nonfinite_paths_name_each_bad_floating_tensor_through_nested_payloads():
+    from fedcore.engine.health import nonfinite_paths
+
+    bad = torch.tensor([1.0, float("nan")])
+    payloads = {"server": {"w": torch.ones(2), "m": [torch.zeros(1), {"b": torch.tensor([float("inf")])}]},
+                "client3": (bad, torch.tensor([7])), "client4": None}
+    assert nonfinite_paths(payloads) == ["server.m[1].b", "client3[0]"]
+    assert nonfinite_paths({"server": {"n": torch.tensor([1]), "e": torch.empty(0)}}) == []  # ints, empty: finite
+    assert nonfinite_paths({}) == []
+
+
 def test_unknown_method_param_is_rejected(tiny_run_files):
     from fedcore.backbones.prompted import PromptedViT
     from fedcore.backbones.vit import build_vit

@@ -249,6 +249,22 @@ def test_cells_counting_never_sampled_clients_are_marked():
     assert r"\S{}" in render_latex(t, cfg, "mini")
 
 
+def test_numbers_of_a_run_that_diverged_are_marked():
+    """A run whose trained state went NaN/inf at some round (the engine's `diverged` rows) still scores a number,
+    often chance level: every cell it feeds carries ! and the table says what it means; a healthy run does not."""
+    exps = {"e": {"methods": ["m", "n"], "report": {"window": "last", "rounds": 1}, "rounds": 10}}
+    acc = {(-1, "local", "acc_mean"): 0.1}
+    metrics = pd.concat([metric_rows("e", "m", {**acc, (-1, "train", "diverged"): 2.0}),
+                         metric_rows("e", "n", acc)])
+    cfg = {"caption": "c", "rows": ["m", "n"], "columns": [{"label": "e", "experiment": "e", "metric": "local_acc"}],
+           "paper": {}, "best": "none"}
+    t = build_table(metrics, cfg, exps, "mini", {"m", "n"})
+    assert t["diverged"].tolist() == [True, False]
+    md = render_markdown(t, cfg, "mini")
+    assert "| 10.00! |" in md and "| 10.00 |" in md and "held NaN or inf" in md
+    assert "10.00!" in render_latex(t, cfg, "mini")
+
+
 def test_a_method_with_its_own_shorter_budget_is_not_incomplete():
     """Zero-shot CLIP runs one round (method_federation) in a 10-round experiment: complete, not ‡."""
     exps = {"e": {"methods": ["m", "z"], "report": {"window": "last", "rounds": 1}, "rounds": 10,

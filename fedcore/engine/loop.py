@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from fedcore.engine.data import DeviceSplit, InputPipeline, iterate_batches
 from fedcore.engine.evaluate import EvalSets, evaluate_round
+from fedcore.engine.health import DIVERGED, nonfinite_paths
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.placement import Boundary, check_model_device, place
 from fedcore.engine.precision import rules_device
@@ -207,6 +208,12 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
             state["rows"].append((r, res.cid, "train", "loss", float(res.stats.get("loss", float("nan")))))
         state["rows"].extend(_upload_rows(r, results))
         state["server"] = roles.aggregate(info, state["server"], results)
+        diverged = nonfinite_paths({"server": state["server"], **{f"client{res.cid}": clients[res.cid]
+                                                                   for res in results}})
+        if diverged:  # trained on, as the papers' code would; the report marks every number of this run
+            log.warning("round %d: %d trained tensor(s) hold NaN or inf (%s); the run goes on, its numbers are "
+                        "marked as diverged", r, len(diverged), ", ".join(diverged[:4]))
+            state["rows"].append((r, -1, "train", DIVERGED, float(len(diverged))))
         losses = [float(res.stats.get("loss", float("nan"))) for res in results]
         state["rows"].append((r, -1, "train", "loss", float(sum(losses) / len(losses))))
         state["rows"].extend((r, -1, "train", name, float(v))

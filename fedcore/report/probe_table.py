@@ -71,7 +71,8 @@ def build_probe_table(rows: pd.DataFrame, table_cfg: dict, experiments: dict[str
             records.append({"row": row, "row_label": labels.get(row, row), "column": col["label"], "col_index": j,
                             "experiment": col["experiment"], "metric": f"{measure}:{feature}", "client": -1,
                             "window": WINDOW, **cell, "rounds_used": pd.NA, "short_window": False,
-                            "incomplete": False, "untrained": False, "folder_layout": False, "paper": paper_j,
+                            "incomplete": False, "untrained": False, "folder_layout": False, "diverged": False,
+                            "paper": paper_j,
                             "diff": cell["ours"] - paper_j if scale == "paper" else math.nan,
                             "scale": scale, "paper_role": PAPER_ROLE[scale],
                             "paper_std": math.nan if paper_std[j] is None else paper_std[j]})
@@ -79,7 +80,7 @@ def build_probe_table(rows: pd.DataFrame, table_cfg: dict, experiments: dict[str
     table = table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64", "rounds_used": "Int64",
                           "ours": "float64", "ours_std": "float64", "paper": "float64", "diff": "float64",
                           "paper_std": "float64", "short_window": "bool", "incomplete": "bool", "untrained": "bool",
-                          "folder_layout": "bool"})
+                          "folder_layout": "bool", "diverged": "bool"})
     return resolution_columns(table, sizes, int(table_cfg.get("decimals", 2)))
 
 

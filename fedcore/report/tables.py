@@ -23,6 +23,8 @@
                           exclude leaves them out instead
     folder_layout         the experiment's dataset was built from image folders with our own train/test split,
                           not the FedBN pickles (allow_folder_layout; marked ¶)
+    diverged              some seed's run held a NaN or an infinity in its trained state at some round (the
+                          engine's `diverged` rows, fedcore/engine/health.py; marked !)
     paper                 the paper's number in % (NaN = the paper has no such cell)
     diff                  ours − paper in the metric's unit; only at scale 'paper', NaN otherwise
     status                ok | not implemented | not configured | missing run | missing metric | not selected
@@ -47,6 +49,7 @@ from typing import Any, Mapping
 import pandas as pd
 
 from fedcore.io import atomic_path
+from fedcore.metrics import DIVERGED
 from fedcore.report import table_notes
 from fedcore.report.html_pages import SCALE_BANNERS, page
 from fedcore.report.resolution import (NOT_A_PROPORTION, RESOLUTION_COLUMNS, EvalSizes, cell_test_images,
@@ -60,6 +63,7 @@ SHORT_MARK = "†"
 INCOMPLETE_MARK = "‡"
 UNTRAINED_MARK = "§"
 FOLDER_MARK = "¶"
+DIVERGED_MARK = "!"
 NO_PAPER = "—"
 
 # Table metric shorthand -> (split, client, metric) in the long-form metrics.
@@ -113,7 +117,7 @@ STATUS_NOTES = {
 TABLE_COLUMNS = [
     "row", "row_label", "column", "col_index", "experiment", "metric", "client", "window",
     "ours", "ours_std", "n_seeds", "rounds_used", "short_window", "incomplete", "untrained",
-    "folder_layout", "paper", "diff", "status", "scale", "paper_role", "paper_std", "std_over",
+    "folder_layout", "diverged", "paper", "diff", "status", "scale", "paper_role", "paper_std", "std_over",
     *RESOLUTION_COLUMNS,
 ]
 
@@ -298,7 +302,7 @@ def build_cell(metrics: pd.DataFrame, method: str, col: dict, exp_cfg: dict, sca
         "window": describe_window(exp_cfg["report"]) if which is None else describe_round(which),
         "ours": math.nan, "ours_std": math.nan,
         "n_seeds": 0, "rounds_used": pd.NA, "short_window": False, "incomplete": False, "untrained": False,
-        "folder_layout": bool(exp_cfg.get("folder_layout", False)),
+        "folder_layout": bool(exp_cfg.get("folder_layout", False)), "diverged": False,
         "status": cell_status(method, exp_cfg, run, rows, implemented),
         "std_over": "clients" if clients else "seeds",
     }
@@ -322,6 +326,7 @@ def build_cell(metrics: pd.DataFrame, method: str, col: dict, exp_cfg: dict, sca
         ours=factor * mean, ours_std=factor * std, n_seeds=n_seeds,
         rounds_used=int(per_seed["rounds_used"].min()), short_window=bool(per_seed["short"].any()),
         incomplete=_incomplete(run, exp_cfg, method), untrained=_untrained(run, exp_cfg["report"], which),
+        diverged=bool((run["metric"] == DIVERGED).any()),
     )
     return cell
 
@@ -375,7 +380,7 @@ def build_table(metrics: pd.DataFrame, table_cfg: dict, experiments: dict[str, d
     table = table.astype({"col_index": "int64", "client": "int64", "n_seeds": "int64",
                           "rounds_used": "Int64", "ours": "float64", "ours_std": "float64",
                           "paper": "float64", "diff": "float64", "paper_std": "float64", "short_window": "bool",
-                          "incomplete": "bool", "untrained": "bool", "folder_layout": "bool"})
+                          "incomplete": "bool", "untrained": "bool", "folder_layout": "bool", "diverged": "bool"})
     sizes = [cell_test_images(c.metric, c.client, clients, (test_sizes or {}).get(c.experiment))
              if metric_factor({"metric": c.metric}) == PERCENT else (None, NOT_A_PROPORTION)
              for c, clients in zip(table.itertuples(), clients_of, strict=True)]
@@ -423,6 +428,9 @@ CELL_MARKS: tuple[tuple[str, str, str], ...] = (
     (FOLDER_MARK, "folder_layout",
      "the dataset was built from image folders with our own stratified 80/20 train/test split "
      "(allow_folder_layout: true), not the FedBN pickles the papers used"),
+    (DIVERGED_MARK, "diverged",
+     "a run's trained state held NaN or inf from some round on (it trained on, as the papers' code does): "
+     "its number scores a diverged model"),
 )
 
 
