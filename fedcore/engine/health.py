@@ -30,8 +30,11 @@ def _floating(payload: Any, path: str) -> list[tuple[str, torch.Tensor]]:
 def nonfinite_paths(payloads: dict[str, Any]) -> list[str]:
     """The paths of the floating tensors in ``payloads`` (by name) that hold a NaN or an infinity."""
     found = [x for name, payload in payloads.items() for x in _floating(payload, name)]
-    if not found:
-        return []
-    # one host sync for the whole round, whatever the number of tensors (all on the run's device: Boundary)
-    finite = torch.stack([torch.isfinite(t).all() for _, t in found]).tolist()
-    return [path for (path, _), ok in zip(found, finite, strict=True) if not ok]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(found):
+        by_device.setdefault(t.device, []).append(i)
+    bad: set[int] = set()
+    for idx in by_device.values():  # one host sync a device (Boundary keeps every state on the run's device)
+        finite = torch.stack([torch.isfinite(found[i][1]).all() for i in idx]).tolist()
+        bad.update(i for i, ok in zip(idx, finite, strict=True) if not ok)
+    return [found[i][0] for i in sorted(bad)]
