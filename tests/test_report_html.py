@@ -124,9 +124,12 @@ def test_inventory_tells_present_incomplete_and_missing_runs_and_empty_cells(tmp
     metrics = pd.concat([run_frame("exp_a", "fedavg", 0, {1: 0.5, 5: 0.6, 6: 0.7}),
                          run_frame("exp_a", "local", 0, {1: 0.5, 2: 0.6}),
                          run_frame("exp_a", "fedavg", 0, {1: 0.5, 6: 0.7}, scale="paper")], ignore_index=True)
+    diverged = metrics.loc[(metrics["method"] == "local") & (metrics["metric"] == "loss")].assign(metric="diverged")
+    metrics = pd.concat([metrics, diverged], ignore_index=True)  # rounds 1 and 2: NaN/inf in the trained state
     runs = [{"experiment": "exp_a", "method": m, "seed": 0, "rounds": 6} for m in ("fedavg", "local", "head_tune")]
     inv = build_inventory(metrics, runs, "mini").set_index("method")
     assert inv["status"].to_dict() == {"fedavg": PRESENT, "local": INCOMPLETE, "head_tune": MISSING}
+    assert inv.loc["local", "diverged_from"] == 1 and inv["diverged_from"].isna().sum() == 2
     assert inv.loc["fedavg", "evaluated_rounds"] == 3 and inv.loc["local", "last_round"] == 2
     assert pd.isna(inv.loc["head_tune", "last_round"]) and inv.loc["head_tune", "evaluated_rounds"] == 0
     table = build_table(sample_metrics(), TABLE_CFG, EXPERIMENTS, "mini", IMPLEMENTED)
@@ -138,7 +141,8 @@ def test_inventory_tells_present_incomplete_and_missing_runs_and_empty_cells(tmp
                     tmp_path / "r.csv", {"fedavg": "FedAvg"})
     page = (tmp_path / "r.html").read_text(encoding="utf-8")
     assert "3 configured runs: 1 present, 1 incomplete" in page and "1 missing" in page
-    assert "FedAvg <code>fedavg</code>" in page and "incomplete: 2/6 rounds, 2 evaluated" in page
+    assert "FedAvg <code>fedavg</code>" in page and "1 diverged (a NaN or an infinity" in page
+    assert "incomplete: 2/6 rounds, 2 evaluated, diverged (NaN/inf) from round 1" in page
     assert pd.read_csv(tmp_path / "r.csv")["status"].tolist() == [PRESENT, INCOMPLETE, MISSING]
 
 

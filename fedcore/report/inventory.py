@@ -9,6 +9,8 @@ The CSV has one row per configured run:
     rounds_configured    the run's budget (the method's own where it has one)
     last_round           the last round with a metric row (<NA> when missing)
     evaluated_rounds     rounds with an evaluation row (split global or local)
+    diverged_from        the first round whose trained state held NaN or inf (the engine's `diverged` rows;
+                         <NA> for a healthy run): its numbers are marked ! in the tables
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from typing import Any
 import pandas as pd
 
 from fedcore.io import atomic_path
+from fedcore.metrics import DIVERGED
 from fedcore.report.html_pages import page, paper_title, scale_caption
 
 PRESENT, INCOMPLETE, MISSING, NOT_SELECTED = "present", "incomplete", "missing", "not selected"
 INVENTORY_COLUMNS = ["experiment", "method", "seed", "scale", "status", "rounds_configured", "last_round",
-                     "evaluated_rounds"]
+                     "evaluated_rounds", "diverged_from"]
 
 
 def configured_runs(cfg, paper: str) -> list[dict[str, Any]]:
@@ -59,6 +62,7 @@ def build_inventory(metrics: pd.DataFrame, runs: list[dict[str, Any]], scale: st
     rounds = metrics.groupby(["experiment", "method", "seed"])["round"].max()
     evaluated = (metrics.loc[metrics["split"].isin(["global", "local"])]
                  .groupby(["experiment", "method", "seed"])["round"].nunique())
+    diverged = metrics.loc[metrics["metric"] == DIVERGED].groupby(["experiment", "method", "seed"])["round"].min()
     rows = []
     for r in runs:
         key = (r["experiment"], r["method"], int(r["seed"]))
@@ -67,10 +71,11 @@ def build_inventory(metrics: pd.DataFrame, runs: list[dict[str, Any]], scale: st
             else (INCOMPLETE if last < int(r["rounds"]) else PRESENT)
         rows.append({"experiment": key[0], "method": key[1], "seed": key[2], "scale": scale, "status": status,
                      "rounds_configured": int(r["rounds"]), "last_round": last,
-                     "evaluated_rounds": int(evaluated.get(key, 0))})
+                     "evaluated_rounds": int(evaluated.get(key, 0)),
+                     "diverged_from": int(diverged[key]) if key in diverged.index else None})
     out = pd.DataFrame(rows, columns=INVENTORY_COLUMNS)
     return out.astype({"seed": "int64", "rounds_configured": "int64", "last_round": "Int64",
-                       "evaluated_rounds": "int64"})
+                       "evaluated_rounds": "int64", "diverged_from": "Int64"})
 
 
 def empty_cells(table_csvs: dict[str, str | os.PathLike]) -> pd.DataFrame:
@@ -93,6 +98,8 @@ def _cell_text(run: pd.Series) -> str:
     if run["status"] in (MISSING, NOT_SELECTED):
         return run["status"]
     text = f"{run['last_round']}/{run['rounds_configured']} rounds, {run['evaluated_rounds']} evaluated"
+    if not pd.isna(run["diverged_from"]):
+        text += f", diverged (NaN/inf) from round {run['diverged_from']}"
     return text if run["status"] == PRESENT else f"incomplete: {text}"
 
 
@@ -107,7 +114,8 @@ def render_inventory_html(inventory: pd.DataFrame, cells: pd.DataFrame, paper: s
              f'<p class="caption">{len(inventory)} configured runs: {int(counts.get(PRESENT, 0))} present, '
              f"{int(counts.get(INCOMPLETE, 0))} incomplete (last round before the configured one), "
              f"{int(counts.get(MISSING, 0))} missing (no metrics), {int(counts.get(NOT_SELECTED, 0))} not selected "
-             f"(no output the config's <code>outputs</code> picks reads them). {esc(scale_caption(scale))}</p>"]
+             f"(no output the config's <code>outputs</code> picks reads them); {int(inventory['diverged_from'].notna().sum())} "
+             f"diverged (a NaN or an infinity in the trained state; numbers marked !). {esc(scale_caption(scale))}</p>"]
     if unbuilt:
         parts.append(f"<p>Not built in this run (config <code>outputs</code>; <code>--config outputs=all</code> builds "
                      f"them): {esc(', '.join(unbuilt))}.</p>")
