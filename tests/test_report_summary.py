@@ -24,7 +24,8 @@ def _paper_files(tmp_path, paper: str, verdicts: list[str], with_timing: bool) -
                                                          "not_configured": 4, "not_implemented": 0, "missing_run": 2}])
     card.to_csv(tmp_path / f"{paper}_scorecard.csv", index=False)
     runs = pd.DataFrame({"experiment": "e", "method": ["a", "b", "c", "d"], "seed": 0, "scale": "mini",
-                         "status": ["present", "present", "missing", "not selected"]})
+                         "status": ["present", "present", "missing", "not selected"],
+                         "diverged_from": [None, 3, None, None]})
     runs.to_csv(tmp_path / f"{paper}_runs.csv", index=False)
     bench = [tmp_path / f"{paper}_a.time.json", tmp_path / f"{paper}_b.time.json"]
     if with_timing:   # the job's own record (fedcore/runtime/jobtime.py); b has none (trained before times were recorded)
@@ -45,7 +46,7 @@ def test_summary_counts_are_read_from_the_claims_scorecard_inventory_and_benchma
         assert frame.loc[inp.paper, "claims"] == len(counts.index.repeat(counts))
     row = frame.loc["sgpt"]
     assert (row["cells"], row["cells_configured"], row["cells_with_run"], row["cells_not_selected"]) == (20, 16, 9, 5)
-    assert (row["runs_selected"], row["runs_present"], row["runs_missing"]) == (3, 2, 1)
+    assert (row["runs_selected"], row["runs_present"], row["runs_missing"], row["runs_diverged"]) == (3, 2, 1, 1)
     assert (row["runs_timed"], row["wall_s"], row["cpu_s"]) == (1, pytest.approx(30.5), pytest.approx(28.0))
     assert frame.loc["fedhpl", "runs_timed"] == 0
 
@@ -57,7 +58,7 @@ def test_summary_pages_link_each_count_and_say_what_is_left_out(tmp_path):
                   tmp_path / "landing.html")
     md = out["md"].read_text()
     assert "| [SGPT](sgpt_claims.html) | 2 | [1](sgpt_claims.html) | 0 | [1](sgpt_claims.html) | 0 | 0 |" in md
-    assert "[9 of 16](sgpt_scorecard.html)" in md and "[2 of 3](sgpt_runs.html)" in md
+    assert "[9 of 16](sgpt_scorecard.html)" in md and "[2 of 3](sgpt_runs.html) | [1](sgpt_runs.html) |" in md
     assert "Table 2" in md and "--config outputs=claims" in md and "digits (for CIFAR-100)" in md
     assert "1 timed training jobs of 3 selected used 0.01 h (28 s) of CPU" in md
     landing = html.unescape((tmp_path / "landing.html").read_text())

@@ -24,7 +24,8 @@ from fedcore.claim_rules import FAILS, HOLDS, MISSING, NOT_RUN, NOT_SET_UP, VERD
 from fedcore.report.html_pages import page, paper_title, scale_caption
 
 SUMMARY_COLUMNS = ["paper", "scale", "claims", *VERDICTS, "cells", "cells_configured", "cells_with_run",
-                   "cells_not_selected", "runs_selected", "runs_present", "runs_missing", "runs_timed", "wall_s",
+                   "cells_not_selected", "runs_selected", "runs_present", "runs_missing", "runs_diverged", "runs_timed",
+                   "wall_s",
                    "cpu_s"]
 VERDICT_HEADS = {HOLDS: "hold", FAILS: "do not hold", NOT_RUN: "not selected", NOT_SET_UP: "not configured",
                  MISSING: "runs missing"}
@@ -79,6 +80,8 @@ def paper_row(inp: PaperInputs, scale: str) -> dict:
             "cells_with_run": int(cells["with_run"]), "cells_not_selected": int(cells["not_selected"]),
             "runs_selected": len(selected), "runs_present": int((selected["status"] == "present").sum()),
             "runs_missing": int(selected["status"].isin(["missing", "incomplete"]).sum()),
+            # an inventory written before divergence was recorded has no such column: none known
+            "runs_diverged": int(selected["diverged_from"].notna().sum()) if "diverged_from" in selected else 0,
             "runs_timed": timed, "wall_s": wall, "cpu_s": cpu}
 
 
@@ -173,10 +176,12 @@ def _render(frame: pd.DataFrame, inputs: list[PaperInputs], ctx: Context, md: bo
                      a(f"{r.cells_with_run} of {r.cells_configured}", link(r.paper, "scorecard")),
                      str(r.cells_not_selected), str(r.cells - r.cells_configured),
                      a(f"{r.runs_present} of {r.runs_selected}", link(r.paper, "runs")),
+                     a(str(r.runs_diverged), link(r.paper, "runs")) if r.runs_diverged else "0",
                      esc(_hours(r.cpu_s) if r.runs_timed else "not recorded")
                      + ("" if r.runs_timed in (0, r.runs_selected) else esc(f" ({r.runs_timed} runs timed)"))])
     out += table(["paper", "cells with a run, of configured", "not selected", "not configured at this scale",
-                  "runs present, of selected", "CPU time of the training jobs"], rows)
+                  "runs present, of selected", "runs diverged (numbers marked !)", "CPU time of the training jobs"],
+                 rows)
     out += para(esc(compute_text(frame, ctx.scale)))
     out += heading("Where the numbers come from")
     items = [f"{paper_title(i.paper)}: " + (", ".join(i.data) if i.data else "no run selected") for i in inputs]
