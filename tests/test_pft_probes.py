@@ -147,6 +147,26 @@ def test_probe_table_cells_statuses_and_seed_stats():
     assert t.loc[("fedavg", "probe"), "status"] == "missing metric"
     assert t.loc[("fedper", "probe"), "status"] == "not configured"
     assert t.loc[("nope", "probe"), "status"] == "not implemented"
+    assert not t["diverged"].any()  # probe CSVs without the column (written before it existed): none known
+
+
+def test_a_probe_of_a_diverged_run_is_marked(tmp_path):
+    """The probe job reads its run's metrics: a run with `diverged` rows writes diverged=True on every probe row,
+    and the probe table marks the cell (! in the tables), as the metric tables do."""
+    from fedcore.analysis.trained_run import run_diverged
+
+    base = {"paper": "fedpft", "experiment": "e", "method": "fedpft", "scale": "mini", "dataset": "d", "seed": 0,
+            "round": 1, "client": -1, "split": "train"}
+    pd.DataFrame([{**base, "metric": "loss", "value": 1.0}]).to_parquet(tmp_path / "ok.parquet")
+    pd.DataFrame([{**base, "metric": "loss", "value": math.nan},
+                  {**base, "metric": "diverged", "value": 2.0}]).to_parquet(tmp_path / "bad.parquet")
+    assert not run_diverged(tmp_path / "ok.parquet") and run_diverged(tmp_path / "bad.parquet")
+    rows = pd.DataFrame([{"experiment": "e", "method": m, "scale": "mini", "seed": 0, "client": 0,
+                          "feature": "default", "measure": "probe", "value": 0.5, "diverged": m == "fedpft"}
+                         for m in ("fedpft", "fedavg")])
+    cfg = {"rows": ["fedpft", "fedavg"], "columns": [{"label": "probe", "experiment": "e"}], "paper": {}}
+    t = build_probe_table(rows, cfg, {"e": {"methods": ["fedpft", "fedavg"]}}, "mini", {"fedpft", "fedavg"})
+    assert t["diverged"].tolist() == [True, False]
 
 
 def test_probe_figures_draw_every_panel_or_say_why(tmp_path):

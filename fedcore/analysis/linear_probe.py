@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fedcore.analysis.trained_run import check_against_log, load_trained_run, logged_final_accuracy
+from fedcore.analysis.trained_run import check_against_log, load_trained_run, logged_final_accuracy, run_diverged
 from fedcore.engine.precision import autocast_for
 from fedcore.engine.sampling import stream_seed
 from fedcore.io import atomic_path
@@ -172,11 +172,13 @@ def predicts_with_head(logits: Tensor, head: nn.Module, feats: Tensor) -> bool:
 def write_probe(run_args: dict[str, Any], out_csv: str | os.PathLike, metrics_path: str | os.PathLike | None = None,
                 settings: dict[str, Any] | None = None, device: str = "auto") -> pd.DataFrame:
     """Rebuild the run (``load_trained_run(**run_args)``), probe every client, write the rows as CSV atomically; with
-    ``metrics_path`` (the run's metrics) a rebuild that does not reproduce the logged final accuracy is an error."""
+    ``metrics_path`` (the run's metrics) a rebuild that does not reproduce the logged final accuracy is an error,
+    and every row says whether the run diverged (column ``diverged``: its probe tables mark the cell !)."""
     probe_settings = ProbeSettings.from_dict(settings)  # a bad key fails before the run is loaded
     run = load_trained_run(device=device, **run_args)
     logged = logged_final_accuracy(metrics_path) if metrics_path is not None else None
     table = probe_run(run, run_args["identity"], probe_settings, logged)
+    table["diverged"] = run_diverged(metrics_path) if metrics_path is not None else False
     with atomic_path(Path(out_csv)) as tmp:
         table.to_csv(tmp, index=False, float_format="%.6g")
     return table

@@ -24,6 +24,7 @@ from fedcore.engine.data import Batch, DeviceSplit, InputPipeline, iterate_batch
 from fedcore.engine.loop import to_device
 from fedcore.engine.optim import autocast_for
 from fedcore.engine.roles import Method, Payload
+from fedcore.metrics import DIVERGED
 from fedcore.runtime.device import pick_device
 from fedcore.train import RunFiles, build_run
 
@@ -109,6 +110,11 @@ def logged_final_accuracy(metrics_path: str | os.PathLike) -> dict[int, float]:
         raise ValueError(f"{metrics_path}: no per-client local accuracy logged")
     last = rows[rows["round"] == rows["round"].max()]
     return {int(c): float(v) for c, v in zip(last["client"], last["value"])}
+
+
+def run_diverged(metrics_path: str | os.PathLike) -> bool:
+    """Whether the run's trained state held NaN or inf at some round (the engine's ``diverged`` rows)."""
+    return bool((pd.read_parquet(metrics_path, columns=["metric"])["metric"] == DIVERGED).any())
 
 
 def check_against_log(origin: dict[int, float], logged: dict[int, float], n_test: dict[int, int], where: str) -> None:

@@ -44,12 +44,14 @@ def probe_cell(rows: pd.DataFrame, method: str, feature: str, measure: str, expe
     vals = run.loc[(run["feature"] == feature) & (run["measure"] == measure)].dropna(subset=["value"])
     if vals.empty:
         return {**cell, "status": MISSING_METRIC}
+    # a probe CSV written before divergence was recorded has no such column: none known
+    diverged = bool(vals["diverged"].astype(bool).any()) if "diverged" in vals.columns else False
     per_seed = vals.groupby("seed")["value"].mean()
     mean, std = mean_std(per_seed)
     first = vals.loc[vals["seed"] == vals["seed"].min()]   # the test images: the first seed's, summed over clients
     n_test = int(first["n_test"].sum()) if "n_test" in first and first["n_test"].notna().all() else None
     return {"ours": PERCENT * mean, "ours_std": PERCENT * std, "n_seeds": len(per_seed), "status": OK,
-            "n_test": n_test}
+            "n_test": n_test, "diverged": diverged}
 
 
 def build_probe_table(rows: pd.DataFrame, table_cfg: dict, experiments: dict[str, dict], scale: str,
@@ -71,8 +73,8 @@ def build_probe_table(rows: pd.DataFrame, table_cfg: dict, experiments: dict[str
             records.append({"row": row, "row_label": labels.get(row, row), "column": col["label"], "col_index": j,
                             "experiment": col["experiment"], "metric": f"{measure}:{feature}", "client": -1,
                             "window": WINDOW, **cell, "rounds_used": pd.NA, "short_window": False,
-                            "incomplete": False, "untrained": False, "folder_layout": False, "diverged": False,
-                            "paper": paper_j,
+                            "incomplete": False, "untrained": False, "folder_layout": False,
+                            "diverged": cell.get("diverged", False), "paper": paper_j,
                             "diff": cell["ours"] - paper_j if scale == "paper" else math.nan,
                             "scale": scale, "paper_role": PAPER_ROLE[scale],
                             "paper_std": math.nan if paper_std[j] is None else paper_std[j]})
