@@ -77,24 +77,18 @@ def test_a_report_window_longer_than_the_rounds_names_the_files(tmp_path):
             "experiment sgpt_c100_s50: report.rounds=100 exceeds federation.rounds=60") in str(e.value)
 
 
-def test_an_experiment_name_used_twice_names_both_files(tmp_path):
+@pytest.mark.parametrize("folder, section, name, word", [("experiments", "experiments", "sgpt_office", "experiment"),
+                                                         ("reports", "tables", "sgpt_table5", "table")])
+def test_a_name_used_twice_across_papers_names_both_files(tmp_path, folder, section, name, word):
+    """Runs, tables and their files are keyed by the name alone: a name SGPT's file defines, written again in
+    FedOTP's, is refused naming both files (the message named only the second)."""
     root = _copy_config(tmp_path)
-    office = yaml.safe_load((root / "config/experiments/sgpt.yaml").read_text())["experiments"]["sgpt_office"]
-    _edit_yaml(root / "config/experiments/fedotp.yaml", lambda d: d["experiments"].update(sgpt_office=office))
+    entry = yaml.safe_load((root / f"config/{folder}/sgpt.yaml").read_text())[section][name]
+    _edit_yaml(root / f"config/{folder}/fedotp.yaml", lambda d: d[section].update({name: entry}))
     with pytest.raises(ConfigError) as e:
         load_config({**DEFAULT, "papers": ["sgpt", "fedotp"]}, root)
-    assert (f"config error in {root / 'config/experiments/fedotp.yaml'} at experiments.sgpt_office: the name is "
-            f"already an experiment of {root / 'config/experiments/sgpt.yaml'}") in str(e.value)
-
-
-def test_a_table_name_used_twice_names_both_files(tmp_path):
-    root = _copy_config(tmp_path)
-    table = yaml.safe_load((root / "config/reports/sgpt.yaml").read_text())["tables"]["sgpt_table5"]
-    _edit_yaml(root / "config/reports/fedotp.yaml", lambda d: d["tables"].update(sgpt_table5=table))
-    with pytest.raises(ConfigError) as e:
-        load_config({**DEFAULT, "papers": ["sgpt", "fedotp"]}, root)
-    assert (f"config error in {root / 'config/reports/fedotp.yaml'} at tables.sgpt_table5: the name is already a "
-            f"table of {root / 'config/reports/sgpt.yaml'}") in str(e.value)
+    assert (f"config error in {root / f'config/{folder}/fedotp.yaml'} at {section}.{name}: the name is already "
+            f"a{'n' if word == 'experiment' else ''} {word} of {root / f'config/{folder}/sgpt.yaml'}") in str(e.value)
 
 
 def test_an_unknown_arch_is_named_not_its_tag(tmp_path):
