@@ -24,9 +24,8 @@ from fedcore.claim_rules import FAILS, HOLDS, MISSING, NOT_RUN, NOT_SET_UP, VERD
 from fedcore.report.html_pages import page, paper_title, scale_caption
 
 SUMMARY_COLUMNS = ["paper", "scale", "claims", *VERDICTS, "cells", "cells_configured", "cells_with_run",
-                   "cells_not_selected", "runs_selected", "runs_present", "runs_missing", "runs_diverged", "runs_timed",
-                   "wall_s",
-                   "cpu_s"]
+                   "cells_not_selected", "runs_selected", "runs_present", "runs_missing", "runs_diverged",
+                   "runs_timed", "wall_s", "cpu_s"]
 VERDICT_HEADS = {HOLDS: "hold", FAILS: "do not hold", NOT_RUN: "not selected", NOT_SET_UP: "not configured",
                  MISSING: "runs missing"}
 
