@@ -30,6 +30,11 @@ _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _YAML_CACHE: dict[tuple[str, int, int], Any] = {}  # (path, mtime_ns, size) -> parsed document
 
 
+def paper_file(root: Path, folder: str, paper: str) -> Path:
+    """A paper's file in ``config/<folder>/`` (experiments, reports)."""
+    return root / CONFIG_DIR / folder / f"{paper}.yaml"
+
+
 def read_yaml(path: Path) -> dict:
     """A YAML mapping (a fresh copy), with a clear error for a missing or malformed file."""
     if not path.exists():

@@ -7,7 +7,8 @@ from pathlib import Path
 from fedcore.config.experiments import (check_augment, check_backbone_entry, check_input_size, check_method_params,
                                         check_partition, resolve_experiment)
 from fedcore.config.files import (CONFIG_DIR, TOP_WHERE, ConfigError, apply_defaults, check_name, check_output_dirs,
-                                  deep_merge, merged, paper_scale_chain, read_schema, read_yaml, scale_chain, validate)
+                                  deep_merge, merged, paper_file, paper_scale_chain, read_schema, read_yaml, scale_chain,
+                                  validate)
 from fedcore.config.reports import load_report, select_outputs
 from fedcore.config.resolved import SCALE_SETTINGS, Resolved
 from fedcore.papers import PAPERS
@@ -26,12 +27,17 @@ def load_config(config: dict, root: str | Path = ".") -> Resolved:
     for name, entry in backbones.items():
         validate(entry, schema, "backbone_entry", f"{backbones_file} ({name})")
         check_backbone_entry(name, entry, backbones_file)
-    check_checksums(root / CONFIG_DIR / "checksums.yaml")
+    check_checksums(checksums_file(root))
     resolved = load_scale(top, root, schema, backbones)
     for scale in schema["$defs"]["top"]["properties"]["scale"]["enum"]:
         if scale != top["scale"]:
             resolved._scales[scale] = load_scale({**top, "scale": scale}, root, schema, backbones)
     return resolved
+
+
+def checksums_file(root: Path) -> Path:
+    """config/checksums.yaml: the datasets' and weights' digests (read by the data rules)."""
+    return root / CONFIG_DIR / "checksums.yaml"
 
 
 def check_checksums(path: Path) -> None:
@@ -52,12 +58,12 @@ def load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved
     from fedcore.data.registry import DATASETS
 
     chain = scale_chain(root, top["scale"], schema, backbones, DATASETS)
-    resolved = Resolved(root=root, top=top, backbones=backbones, checksums_path=root / CONFIG_DIR / "checksums.yaml",
+    resolved = Resolved(root=root, top=top, backbones=backbones, checksums_path=checksums_file(root),
                         scale_settings=merged({k: v for k, v in doc.items() if k in SCALE_SETTINGS}
                                               for _, doc, _ in chain), loader=load_config)
     for paper in top["papers"]:
         scale, scale_file = paper_scale_chain(chain, root, paper, schema, backbones, DATASETS)
-        exp_file = root / CONFIG_DIR / "experiments" / f"{paper}.yaml"
+        exp_file = paper_file(root, "experiments", paper)
         doc = read_yaml(exp_file)
         validate(doc, schema, "experiment_file", str(exp_file))
         variants = deep_merge(doc.get("variants", {}), scale.get("variants", {}))
@@ -70,7 +76,7 @@ def load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved
             resolved.variants[vname] = variant
         for name, exp in doc["experiments"].items():
             if name in resolved.experiments:  # runs, tables and results are keyed by the name alone
-                first = root / CONFIG_DIR / "experiments" / f"{resolved.experiments[name]['paper']}.yaml"
+                first = paper_file(root, "experiments", resolved.experiments[name]["paper"])
                 raise ConfigError(f"config error in {exp_file} at experiments.{name}: the name is already an "
                                   f"experiment of {first}; experiment names must be unique across papers")
             where = f"{exp_file} (experiment {name})"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fedcore.claim_rules import check_claim, claim_runs
-from fedcore.config.files import CONFIG_DIR, TOP_WHERE, ConfigError, check_name, deep_merge, read_yaml, validate
+from fedcore.config.files import TOP_WHERE, ConfigError, check_name, deep_merge, paper_file, read_yaml, validate
 from fedcore.config.resolved import Resolved
 from fedcore.selection import (chosen_outputs, claims_outputs, figure_experiments, figure_methods, headline_item,
                                output_runs, replace_experiment, row_source)
@@ -48,7 +48,7 @@ def _select_claim_runs(resolved: Resolved) -> None:
 
 def load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: dict, resolved: Resolved) -> None:
     """Read config/reports/<paper>.yaml, apply the scale's report overrides, validate, fill display labels."""
-    report_file = root / CONFIG_DIR / "reports" / f"{paper}.yaml"
+    report_file = paper_file(root, "reports", paper)
     if not report_file.exists():
         return
     report = read_yaml(report_file)
@@ -58,7 +58,7 @@ def load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: d
     for kind, definition in (("tables", "table"), ("figures", "figure")):
         for name, entry in report.get(kind, {}).items():
             if name in getattr(resolved, kind):  # output files are named by the name alone
-                first = root / CONFIG_DIR / "reports" / f"{getattr(resolved, kind)[name]['source_paper']}.yaml"
+                first = paper_file(root, "reports", getattr(resolved, kind)[name]["source_paper"])
                 raise ConfigError(f"config error in {report_file} at {kind}.{name}: the name is already a "
                                   f"{kind[:-1]} of {first}; table and figure names must be unique across papers")
             where = f"{report_file} ({kind[:-1]} {name})"
