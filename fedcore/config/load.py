@@ -7,8 +7,8 @@ from pathlib import Path
 from fedcore.config.experiments import (check_augment, check_backbone_entry, check_input_size, check_method_params,
                                         check_partition, resolve_experiment)
 from fedcore.config.files import (CONFIG_DIR, TOP_WHERE, ConfigError, apply_defaults, check_name, check_output_dirs,
-                                  deep_merge, merged, paper_file, paper_scale_chain, read_schema, read_yaml, scale_chain,
-                                  validate)
+                                  deep_merge, merged, paper_file, paper_scale_chain, read_schema, read_yaml,
+                                  scale_chain, validate)
 from fedcore.config.reports import load_report, select_outputs
 from fedcore.config.resolved import SCALE_SETTINGS, Resolved
 from fedcore.papers import PAPERS
