@@ -359,6 +359,28 @@ def test_figure_limits_to_configured_methods():
         make_figure(sample_metrics(), FIG_CFG, experiments=EXPERIMENTS)
 
 
+def test_figure_marks_the_round_a_method_diverged_and_says_so_under_the_panels():
+    from fedcore.report.plotting import figure_notes
+    metrics = sample_metrics()
+    # seed 1's fedavg on exp_a held NaN/inf from round 3 on (the engine's row: client -1, split train)
+    bad = metrics.loc[(metrics["experiment"] == "exp_a") & (metrics["method"] == "fedavg") & (metrics["seed"] == 1)
+                      & (metrics["metric"] == "acc") & (metrics["split"] == "global") & (metrics["round"] >= 3)]
+    rows = bad.assign(split="train", metric="diverged", value=2.0)
+    fig = make_figure(pd.concat([metrics, rows], ignore_index=True), FIG_CFG)
+    exp_a, exp_b = fig.axes[0], fig.axes[1]
+    dotted = [line for line in exp_a.get_lines() if line.get_linestyle() == ":"]
+    assert len(dotted) == 1 and list(dotted[0].get_xdata()) == [3, 3]
+    fedavg = next(line for line in exp_a.get_lines() if line.get_label().startswith("fedavg"))
+    assert dotted[0].get_color() == fedavg.get_color()
+    assert [t.get_text() for t in exp_a.texts] == ["!"]
+    assert not exp_b.texts and not [line for line in exp_b.get_lines() if line.get_linestyle() == ":"]
+    notes = figure_notes(fig)
+    assert "Diverged (dotted line): exp_a: fedavg from round 3." in notes and "! a run's trained state" in notes
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [  # the dotted line has no entry
+        "fedavg (n=3)", "fedvpt (n=1)", "head_tune (n=1)"]
+    assert "Diverged" not in figure_notes(make_figure(metrics, FIG_CFG))  # healthy runs: no note, no line
+
+
 def test_figure_refuses_mixed_scales(tmp_path: Path):
     mixed = pd.concat([sample_metrics("mini"), sample_metrics("paper")], ignore_index=True)
     with pytest.raises(ValueError, match="scale"):

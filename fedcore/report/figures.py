@@ -13,8 +13,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedcore.io import atomic_path
+from fedcore.metrics import DIVERGED
 from fedcore.report.plotting import add_notes, missing_note, set_caption
-from fedcore.report.tables import MISSING_METRIC, MISSING_RUN, OK, PERCENT, cell_status, metric_factor, metric_key
+from fedcore.report.tables import (DIVERGED_MARK, MISSING_METRIC, MISSING_RUN, OK, PERCENT, cell_status, mark_notes,
+                                   metric_factor, metric_key)
 
 PNG_DPI = 150
 PANEL_SIZE = (4.5, 3.4)  # inches per panel
@@ -38,6 +40,13 @@ def _metric_rows(metrics: pd.DataFrame, experiment: str, fig_cfg: dict) -> pd.Da
     mask = ((metrics["experiment"] == experiment) & (metrics["split"] == split)
             & (metrics["client"] == client) & (metrics["metric"] == metric))
     return metrics.loc[mask]
+
+
+def diverged_from(metrics: pd.DataFrame, experiment: str) -> dict[str, int]:
+    """Per method of `experiment`: the first round at which some seed's trained state held NaN or inf (the
+    engine's `diverged` rows); methods whose runs never diverged are absent."""
+    rows = metrics.loc[(metrics["experiment"] == experiment) & (metrics["metric"] == DIVERGED)]
+    return {m: int(r) for m, r in rows.groupby("method")["round"].min().items()}
 
 
 def _methods_in_order(rows: pd.DataFrame, fig_cfg: dict, configured: list[str] | None) -> list[str]:
@@ -85,9 +94,10 @@ def _select_scale(metrics: pd.DataFrame, scale: str | None) -> pd.DataFrame:
 
 
 def draw_panel(ax, rows: pd.DataFrame, experiment: str, fig_cfg: dict, colors: dict[str, tuple],
-               configured: list[str] | None = None) -> None:
+               configured: list[str] | None = None, diverged: dict[str, int] | None = None) -> None:
     """Draw one experiment's panel, or a visible 'no runs' note when there is nothing to plot. Lines carry the
-    methods' display labels; the figure draws one legend for all panels."""
+    methods' display labels; the figure draws one legend for all panels. A method in `diverged` (first round)
+    gets a dotted line there in its colour, topped by the tables' mark."""
     ax.set_title(experiment)
     ax.set_xlabel("round")
     ax.set_ylabel(metric_label(fig_cfg))
@@ -109,6 +119,10 @@ def draw_panel(ax, rows: pd.DataFrame, experiment: str, fig_cfg: dict, colors: d
         if band.any():
             ax.fill_between(stats.index[band], (stats["mean"] - stats["std"])[band],
                             (stats["mean"] + stats["std"])[band], color=colors[method], alpha=0.2)
+        if method in (diverged or {}):  # the curve past this round scores a model holding NaN or inf
+            ax.axvline(diverged[method], color=colors[method], linestyle=":", linewidth=1.2)
+            ax.annotate(DIVERGED_MARK, (diverged[method], 0.98), xycoords=("data", "axes fraction"),
+                        color=colors[method], ha="left", va="top", fontweight="bold")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
 
@@ -160,17 +174,24 @@ def make_figure(metrics: pd.DataFrame, fig_cfg: dict, scale: str | None = None,
     rows = {e: _metric_rows(metrics, e, fig_cfg) for e in panels}
     all_methods = sorted(set().union(*(set(r["method"]) for r in rows.values())))
     colors = method_colors(fig_cfg.get("methods") or all_methods)
+    # only methods drawn in the panel (configured, with rows): a stale run's divergence is no note of this figure
+    diverged = {e: {m: r for m, r in diverged_from(metrics, e).items()
+                    if m in _methods_in_order(rows[e], fig_cfg, configured.get(e))} for e in panels}
     for ax, experiment in zip(axes, panels):
-        draw_panel(ax, rows[experiment], experiment, fig_cfg, colors, configured.get(experiment))
+        draw_panel(ax, rows[experiment], experiment, fig_cfg, colors, configured.get(experiment), diverged[experiment])
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     handles: dict[str, object] = {}  # one entry per label over all panels, in the configured order
     for ax in axes[:len(panels)]:
         for line in ax.get_lines():
-            handles.setdefault(line.get_label(), line)
+            if not line.get_label().startswith("_"):  # matplotlib's unlabelled lines (the diverged rounds')
+                handles.setdefault(line.get_label(), line)
     if handles:  # right of the panels (a legend inside a panel covers its curves), below the caption
         fig.legend(list(handles.values()), list(handles), loc="outside right center", fontsize="small")
-    add_notes(fig, missing_note("Not drawn", undrawn(metrics, rows, fig_cfg, experiments, implemented)))
+    labels = fig_cfg.get("labels") or {}
+    gone = [f"{e}: {labels.get(m, m)} from round {r}" for e in panels for m, r in diverged[e].items()]
+    add_notes(fig, missing_note("Not drawn", undrawn(metrics, rows, fig_cfg, experiments, implemented))
+              + ([f"Diverged (dotted line): {'; '.join(gone)}."] + mark_notes(DIVERGED_MARK) if gone else []))
     set_caption(fig, fig_cfg.get("caption", ""))
     return fig
 
