@@ -8,20 +8,25 @@ time (fedcore/official_sgpt.py), never copied here. CI has no checkout and no in
 
 Both models get the same frozen backbone (random, scaled so that attention and LayerNorm do real work) and the
 same trainable tensors (our names -> theirs: ``official_state``), then see the same batch. Compared step by step:
+0. the initial keys from one xavier draw (Gram-Schmidt on both sides), zero shared prompts, VPT's group bound;
 1. the Select query (frozen, un-prompted final-norm CLS after ``select_block``: our ``features`` artifact code);
 2. the key matching: the (B, G) cosine matrix, the calibrated training-time choice (Eq. 6, with the code's
-   (q_g + 5e-4) factor and, for Office, the batch vote), the inference-time argmax and the key loss;
+   (q_g + 5e-4) factor and, for Office/DomainNet, the batch vote), the inference-time argmax and the key loss;
 3. the final-norm token sequences and logits of Block I (shared prompts, CLS feature) and Block II (group
    prompts selected per sample, mean(CLS, group tokens));
 4. the gradients of each block's loss, and one client's whole local update (Block I then Block II with SGD,
    momentum and weight decay) through our client role and their ``train_local_twostage``: every tensor it
-   uploads, the keys included, and its per-group selection counts.
+   uploads, the keys included, and its per-group selection counts;
+5. a server round of two clients through our strategy and their ``group_ratio_func`` / ``aggregation_func``
+   (averages, count-weighted keys and their fallback, momentum, the counter v_g).
 
-Setups: the pipeline's mini SGPT (vit_mini: shared {0}, groups {1, 2}, query from the last block), the code's Office
-command's layout (7 blocks of vit_mini's width: shared 0-4, groups 5-6, query after block 5, batch vote) and the
-CIFAR-100 s = 10 layout (12 blocks: shared 0-3, groups 4-6, G = 20, two tokens at the first shared block).
-Documented differences are asserted as differences: the pooling of the other code version (DEVIATIONS.md, SGPT,
-"Token layout"; our ``sgpt_code2024`` variant is the March 2024 code's).
+Our parameters are those the configuration gives a run (variants merged): ``sgpt`` against the July 2024 code,
+``sgpt_code2024`` against the March 2024 one; the checkout's version is read off its pooling. Setups: the pipeline's
+mini SGPT (vit_mini: shared {0}, groups {1, 2}, query from the last block), the Office and DomainNet layouts (7
+blocks of vit_mini's width: shared 0-4, groups 5-6, query after block 5, batch vote), the CIFAR-100 s = 10 layout
+(12 blocks: shared 0-3, groups 4-6, G = 20, two tokens at the first shared block) and a block holding both prompt
+kinds. Documented differences are asserted as differences (DEVIATIONS.md, SGPT): the other code version's pooling,
+and ``counter_update: per_round`` (Alg. 2) against the code's client-by-client counter.
 """
 from __future__ import annotations
 
@@ -39,9 +44,9 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from fedcore.artifacts.select_queries import layer_features
-from fedcore.config.load import load_config
 from fedcore.backbones.plain_vit import PlainViT
 from fedcore.backbones.prompted import PromptedViT, attention_backend
+from fedcore.config.load import load_config
 from fedcore.engine.data import Batch, DeviceSplit, InputPipeline
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.methods.sgpt import QUERY, SGPT, assign, select_scores
@@ -74,13 +79,14 @@ class Setup:
 
     @property
     def dataset(self) -> str:
-        """The official --dataset: "office" takes its feature-shift branch (query after block 5, batch vote)."""
-        return "office" if "office" in self.experiment else "cifar100"
+        """The official --dataset: office and domainnet take its feature-shift branch (query after block 5, vote)."""
+        return next((d for d in ("office", "domainnet") if d in self.experiment), "cifar100")
 
 
 SETUPS = [
     Setup("mini", "mini", "sgpt_c100_s10", 4),            # the default pipeline's SGPT (vit_mini itself)
     Setup("office", "paper", "sgpt_office", 7),           # the Office command's layout, blocks 0..6
+    Setup("domainnet", "paper", "sgpt_domainnet", 7),     # as Office, G = 6 (the July 2024 code only)
     Setup("c100_s10", "paper", "sgpt_c100_s10", 12, n_prompt=2),   # CIFAR-100 s = 10's layout, G = 20
     # no configured run puts both prompt kinds into one block; our model supports it (the group token first)
     Setup("overlap", "mini", "sgpt_c100_s10", 4, blocks=((0, 1), (1, 2))),
@@ -168,6 +174,8 @@ def _pair(setup: Setup, official, seed: int = 0, n: int = BATCH, over: dict | No
     ``n`` images with labels and our Select queries."""
     from fedcore.official_sgpt import mini_config, official_args, official_model, official_state
     vmp, _, version = official
+    if setup.dataset == "domainnet" and version == "2024-03":
+        pytest.skip("DomainNet came with the July 2024 code (199c38b): the March 2024 code has no branch for it")
     torch.manual_seed(seed)
     vit = PlainViT(img_size=SIDE, patch_size=PATCH, embed_dim=DIM, depth=setup.depth, num_heads=HEADS)
     params = {**_params(setup, version), **(over or {})}
