@@ -541,7 +541,8 @@ def test_server_round_equals_the_official(official, setup: Setup, timing: str):
     """Two clients (32 and 24 images, 2 epochs per block), then the server: N_i-averaged head and prompts,
     count-weighted keys (uniform where a group's round count is <= 50), momentum on keys and group prompts, and the
     counter v_g. ``counter_update: per_client`` is the code's timing; ``per_round`` (Alg. 2, the ``sgpt`` default)
-    equals their round with the counter held at its round-start value (DEVIATIONS.md, SGPT, "Calibration")."""
+    equals their round with the counter held at its round-start value (DEVIATIONS.md, SGPT, "Calibration"), one
+    client after another and in the engine's one pass (``fit_together``)."""
     from fedcore.engine.roles import RoundInfo
     _, utils, _ = official
     sizes, epochs = [32, 24], 2
@@ -556,7 +557,7 @@ def test_server_round_equals_the_official(official, setup: Setup, timing: str):
     their_start = {k: v.clone() for k, v in pair.theirs.state_dict().items() if "head" in k or "prompt" in k}
     info = RoundInfo(round=0, num_clients=2, participation=1.0, seed=0)
     settings = TrainSettings(local_epochs=epochs, batch_size=8, optimizer=OPT)
-    results = []
+    results, state0 = [], state
     with attention_backend("cpu"):
         for cid, batches in enumerate(clients):
             _, result = m.client.fit(cid, m.client.init_state(cid), m.strategy.configure(state, cid),
@@ -567,6 +568,14 @@ def test_server_round_equals_the_official(official, setup: Setup, timing: str):
         theirs, their_v = _their_round(pair, utils, their_start, clients, sizes, epochs, timing == "per_client")
         if timing == "per_round":   # the documented difference is real: the code's own timing gives other tensors
             shipped = _their_round(pair, utils, their_start, clients, sizes, epochs, per_client=True)[0]
+            # the path a run takes (CPU and CUDA train a per_round SGPT's clients together, one pass per step)
+            fitted = m.client.fit_together([m.client.init_state(c) for c in range(2)],
+                                           [m.strategy.configure(state0, c) for c in range(2)],
+                                           [_our_client(pair, c, b) for c, b in enumerate(clients)], settings)
+            together = m.strategy.aggregate(info, state0, [r for _, r in fitted])
+            assert together["v"].tolist() == state["v"].tolist()
+            for n, v in together["model"].items():
+                _close(v, state["model"][n], f"one pass: global {n}", atol=1e-6)
     total = torch.stack([r.uplink["select_counts"] for r in results]).sum(0)
     # both key rules exercised: count-weighted rows (> 50 selections) and the uniform fallback
     assert (total > 50).any() and (total <= 50).any(), total
