@@ -4,8 +4,9 @@
     python benchmarks/bench_sgpt_official.py --official /path/to/SGPT --preset paper --amp  # ViT-B/16 at 224, GPU
 
 ``--official`` is a checkout of github.com/ubc-tea/SGPT (its ``models/vit_models_pr.py`` is imported from there, never
-copied here; the model of HEAD 213c95b). Its ``models/configs.py`` needs ``ml_collections``: where that package is
-missing, a minimal attribute-dict stands in (the configs only read attributes and items).
+copied here; the model of HEAD 213c95b), through fedcore/official_sgpt.py (which also stands in for
+``ml_collections`` where that package is missing). tests/test_official_sgpt.py checks that the two models compute
+the same numbers.
 
 Both sides train the same round: ``--clients`` clients (the paper's CIFAR-100 setting: 5 of 100 per round), each
 ``--steps`` batches of ``--batch`` random images (the speed does not depend on them), in SGPT's two blocks: Block I
@@ -23,13 +24,10 @@ client after another and in one pass, and ours over the official (the round-time
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 import types
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import torch
 from torch import nn
@@ -43,39 +41,13 @@ import bench_onepass  # noqa: E402
 from fedcore.backbones.prompted import attention_backend  # noqa: E402
 from fedcore.runtime.determinism import deterministic_kernels  # noqa: E402
 from fedcore.backbones.registry import arch_spec  # noqa: E402
+from fedcore import official_sgpt  # noqa: E402
+from fedcore.official_sgpt import mini_config, official_args, official_module  # noqa: E402
 
 #: SGPT's blocks per preset: (G, shared blocks, group blocks), the official model's image side and arch
 SETTINGS = {"mini": {"groups": 5, "shared": [0], "group": [1, 2], "select": 3, "arch": "vit_mini"},
             "paper": {"groups": 20, "shared": [0, 1, 2, 3, 4], "group": [5, 6], "select": 11,
                       "arch": "vit_base_patch16_224"}}
-
-
-class _AttrDict(dict):
-    """What the official configs use of ml_collections.ConfigDict: items also as attributes."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError as e:
-            raise AttributeError(name) from e
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        self[name] = _AttrDict(value) if isinstance(value, dict) and not isinstance(value, _AttrDict) else value
-
-    def __delattr__(self, name: str) -> None:
-        del self[name]
-
-
-def official_module(checkout: Path) -> types.ModuleType:
-    """The official ``models.vit_models_pr``, imported from ``checkout`` (ml_collections stood in if missing)."""
-    if not (checkout / "models" / "vit_models_pr.py").exists():
-        raise SystemExit(f"--official {checkout}: no models/vit_models_pr.py there (a checkout of ubc-tea/SGPT?)")
-    try:
-        importlib.import_module("ml_collections")
-    except ImportError:
-        sys.modules["ml_collections"] = types.SimpleNamespace(ConfigDict=lambda d=None: _AttrDict(d or {}))
-    sys.path.insert(0, str(checkout))
-    return importlib.import_module("models.vit_models_pr")
 
 
 def official_model(vmp: types.ModuleType, preset: str, classes: int, device: torch.device) -> tuple[nn.Module, int]:
@@ -85,17 +57,11 @@ def official_model(vmp: types.ModuleType, preset: str, classes: int, device: tor
     if preset == "paper":
         config, side = vmp.CONFIGS["ViT-B_16"], 224
     else:  # the official ViT with vit_mini's width, depth, heads and patches
-        config = _AttrDict(patches=_AttrDict(size=(spec.patch_size, spec.patch_size)), hidden_size=spec.dim,
-                           classifier="token", representation_size=None,
-                           transformer=_AttrDict(mlp_dim=4 * spec.dim, num_heads=spec.kwargs["num_heads"],
-                                                 num_layers=spec.depth, attention_dropout_rate=0.0, dropout_rate=0.0))
+        config = mini_config(spec.dim, spec.depth, spec.kwargs["num_heads"], spec.patch_size)
         side = spec.kwargs["img_size"]
-    args = SimpleNamespace(key_prompt=s["groups"], share_blocks=list(s["shared"]), share_blocks_g=list(s["group"]),
-                           n_prompt=1, device=device, domain_query=False, dataset="cifar100")
+    args = official_args(s["groups"], s["shared"], s["group"], device=device)
     torch.manual_seed(0)
-    model = vmp.VisionTransformer_m(config, side, num_classes=classes, args=args)
-    model.freeze()
-    return model.to(device), side
+    return official_sgpt.official_model(vmp, config, side, classes, args).to(device), side
 
 
 def _block_params(model: nn.Module, block: int) -> list[nn.Parameter]:
@@ -165,7 +131,10 @@ def main() -> None:
     classes = bench_onepass.PRESETS[a.preset]["classes"]
     print(f"# SGPT round: {a.clients} clients x {a.steps} steps x batch {a.batch}, two blocks, preset {a.preset}, "
           f"{name}, torch {torch.__version__}, ours deterministic={not a.nondeterministic}")
-    vmp = official_module(a.official.resolve())
+    try:
+        vmp = official_module(a.official.resolve())
+    except FileNotFoundError as e:
+        raise SystemExit(f"--official {e}") from None
     model, side = official_model(vmp, a.preset, classes, device)
     rows = {"official, fp32 (as shipped)": time_official(model, side, a.batch, classes, a.clients, a.steps,
                                                          a.repeats, False, device)}
