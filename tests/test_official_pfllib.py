@@ -12,10 +12,12 @@ optimiser: no momentum, no weight decay), fp32 on the CPU. Our roles (``Client.f
 ``aggregate``, ``Evaluator.load`` / ``predict``) are driven directly; theirs through the very methods their
 ``Server.train`` calls (``send_models``, ``client.train``, ``receive_models``, ``aggregate_parameters``,
 ``fine_tune``, ``test_metrics``). Compared per method: the local update (and client state), the server step, the
-evaluation where its rule is special. Documented differences (DEVIATIONS.md "FedPFT baselines", "FedHPL
-baselines"; the methods' docstrings) are asserted as what they are. One undocumented difference is asserted as
-found: PFLlib's servers and ``set_parameters`` move parameters only, so BatchNorm running statistics are never
-averaged or sent (each client keeps its own; SCAFFOLD's server keeps the initial ones), where ours average them.
+evaluation where its rule is special; over two rounds each stage starts from bit-identical inputs (their server
+adopts ours once compared: ``_adopt``). Documented differences (DEVIATIONS.md "FedPFT baselines", "FedHPL
+baselines"; the methods' docstrings) are asserted as what they are. Two undocumented ones are asserted as found:
+PFLlib's servers and ``set_parameters`` move parameters only, so BatchNorm running statistics are never averaged or
+sent (each client keeps its own; SCAFFOLD's server keeps the initial ones), where ours average them; PFLlib's FedBN
+keeps local only parameters NAMED ``bn``, so it averages the ``downsample.1`` BatchNorm layers of these ResNets.
 Run: ``FEDPROMPT_PFLLIB=/tmp/pfllib python -m pytest -n 0 tests/test_official_pfllib.py`` (add ``-s`` for the
 largest differences found).
 """
