@@ -46,8 +46,9 @@ class FedBN(WholeModelMethod):
 
     Sources: FedPFT spec §4; the FedBN paper (local BN, "everything else aggregated"); Fling's FedBN configs
     (the FedPFT authors' framework: every key of the ``bn`` and ``downsample.1`` BatchNorm layers kept local)
-    and PFLlib's FedBN (keys with ``bn`` skipped) agree. We find BatchNorm layers by type, not by name. FedBN
-    has no hyperparameter of its own. A client never sampled keeps the initial BatchNorm layers.
+    agree. We find BatchNorm layers by type, not by name. PFLlib's FedBN differs: it keeps local only parameters
+    named ``bn`` (averaging ``downsample.1``'s weight and bias) and sends no buffers (tests/test_official_pfllib.py).
+    FedBN has no hyperparameter of its own. A client never sampled keeps the initial BatchNorm layers.
     """
 
     name = "fedbn"

@@ -35,7 +35,9 @@ class FedPer(WholeModelMethod):
 
     Sources: FedPFT spec §4 (head personal, extractor incl. BN averaged); Fling's FedPer configs (the FedPFT
     authors' framework: aggregate every key except the classifier ``fc``, BatchNorm statistics included) and
-    PFLlib's FedPer (``head`` personal, ``base`` averaged) agree. FedPer has no hyperparameter of its own.
+    PFLlib's FedPer (``head`` personal, ``base`` averaged) agree, except that PFLlib averages parameters only: its
+    clients keep their own BatchNorm statistics (tests/test_official_pfllib.py). FedPer has no hyperparameter of its
+    own.
     Where they are silent: every client starts from the same initial head (PFLlib and Fling copy one model to
     every client); a client never sampled keeps it.
     """
