@@ -298,11 +298,24 @@ def test_two_rounds_of_local_updates_aggregation_and_projector_equal_the_officia
 
     # round 2: their clients with a fresh AdamSVD (ours restarts its optimiser each round; theirs keeps its state:
     # documented) holding the round-1 projectors, its prompt lr multiplied by sqrt(D − k) to undo the normalisation
+    # the documented difference is real: their kept Adam state (at the same scaled lr) gives another round 2
+    kept_view, kept_opt = copy.deepcopy((views[0], optimizers[0]))   # one deepcopy: the optimiser keeps its tensors
+    kept_opt.param_groups[0]["lr"] = LR * norm
+    kept_opt.transforms = {q: optimizers[0].transforms[p]   # torch's Optimizer.__getstate__ drops the attribute
+                           for q, p in zip(kept_view.enc.prompter.values(), views[0].enc.prompter.values())}
+    with attention_backend("cpu"):
+        for _ in range(EPOCHS):
+            official.train_epoch(kept_view, _Criterion(), _loader(data[0]), kept_opt, "cpu")
     for c in data:
         fresh = _their_optimizer(official, views[c], prompt_lr=LR * norm)
         fresh.transforms = optimizers[c].transforms
         optimizers[c] = fresh
     results = round_(2, server)
+    apart = max(float((results[0].uplink["model"][f"prompts.{i}"] - p).abs().max())
+                for i, p in enumerate(kept_view.prompts()))
+    if VERBOSE:
+        print(f"round 2 client 0 with their kept Adam state: prompts apart by {apart:.2e}")
+    assert apart > 1e-4
     for c, res in enumerate(results):
         for i in range(DEPTH):
             basis = server["fedpr_basis"][f"prompts.{i}"]
