@@ -147,8 +147,7 @@ def _quiet() -> Iterator[None]:
 
 # ---- the shared model and data -----------------------------------------------------------------------------------
 def official_state(ours: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Our pFedPT state under LocalModel_pt's names: prompt.<side> -> generator.pad_<side>, net.* -> base.*,
-    head.* -> base.fc.*."""
+    """Our pFedPT state under LocalModel_pt's names (prompt.<side> -> generator.pad_<...>, net -> base, head -> fc)."""
     out = {}
     for k, v in ours.items():
         head, _, rest = k.partition(".")
