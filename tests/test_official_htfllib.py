@@ -1,0 +1,334 @@
+"""Our FedHPL-paper heterogeneous baselines against HtFLlib's own clients and servers (github.com/TsingZ0/HtFLlib,
+HEAD e959261).
+
+HtFLlib's ``system/flcore/clients/client*.py`` and ``servers/server*.py`` are imported at test time from the
+checkout named by ``FEDPROMPT_HTFLLIB`` (e.g. ``git -C <mirror> archive HEAD system/flcore system/utils | tar -x -C
+/tmp/htfllib``); nothing of it is copied here. Without the variable every test skips (CI has no checkout and no
+internet). The import context, the metrics stand-in and the comparison are test_official_pfllib.py's.
+
+Both sides get the same two heterogeneous client models (client 0: our ``resnet_mini_18``, 128 features; client 1:
+our ``resnet_mini_50``, 512 features pooled to 128 by ``AdaptiveAvgPool1d``, HtFLlib's ``BaseHeadSplit``
+projection, i.e. our ``projection: pool``; each + a 128 -> C linear head), as deep copies split into HtFLlib's
+``base`` / ``head``; the same client batches in a fixed order (their ``load_train_data`` / ``load_test_data``
+return ours); the same hyperparameters; HtFLlib's plain SGD on the clients; fp32 on the CPU. HtFLlib keeps every
+model, upload and server object in ``torch.save`` files (``save_item`` / ``load_item``): here an in-memory store of
+deep copies stands in for those files. Their servers' shuffled ``DataLoader`` over the uploaded (prototype,
+label) pairs is replaced by one that yields our server's seeded order, and ``random.sample`` of the uploading
+clients keeps their order, so that both servers take the same SGD steps. Every stage starts from bit-identical
+inputs (our uploads go to their server, our server state and client models to their clients, once compared),
+because ReLU and max-pooling kinks amplify rounding (test_official_pfllib.py ``_adopt``).
+
+Compared: FedGH (client update with the global head, per-class mean representations, the server's head training,
+evaluation with the new head), FedTGP (update with and without global prototypes, uploaded prototypes, the
+adaptive margin, the trained prototype generator and its prototypes, nearest-prototype scores), FedProto (update,
+in-training prototypes, their average, nearest-prototype scores), FedGen (update with the generator's regulariser,
+the generator's Adam steps on the sample-weighted heads' ensemble, the averaged head), the random draws HtFLlib
+makes (labels, noise) replayed from ours. Documented differences (DEVIATIONS.md "FedHPL baselines"; the methods'
+docstrings) are asserted as what they are.
+Run: ``FEDPROMPT_HTFLLIB=/tmp/htfllib python -m pytest -n 0 tests/test_official_htfllib.py`` (``-s`` prints the
+largest differences found).
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from fedcore.backbones.registry import build_backbone, prompt_adapter
+from fedcore.engine.data import Batch
+from fedcore.engine.optim import ClientData, TrainSettings
+from fedcore.engine.roles import FitResult, Method, RoundInfo, module_state
+from fedcore.engine.sampling import stream_seed
+from fedcore.methods import fedgh, fedtgp
+from fedcore.methods.fedgh import FedGH
+from fedcore.methods.fedproto import FedProto
+from fedcore.methods.fedtgp import FedTGP
+from test_official_pfllib import MetricsStandIn, _close, _pfllib_on_path
+
+ENV = "FEDPROMPT_HTFLLIB"
+pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of HtFLlib "
+                                "(github.com/TsingZ0/HtFLlib) to compare our heterogeneous baselines against")
+
+ARCHS, DIM, CLASSES, BATCH, SIZE, LR, EPOCHS = ("resnet_mini_18", "resnet_mini_50"), 128, 4, 8, 16, 0.05, 2
+SGD = {"name": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0}  # HtFLlib's client optimiser (plain SGD)
+COMMON = {"common_dim": DIM, "projection": "pool"}                   # HtFLlib's AdaptiveAvgPool1d(feature_dim)
+METHODS = ("gh", "tgp", "proto", "gen")                               # their client<m>.py / server<m>.py
+SEED = 0                                                              # our run seed (server shuffles)
+
+
+# ---- importing HtFLlib ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def htfl() -> SimpleNamespace:
+    """HtFLlib's client and server modules of the compared methods and the metrics stand-in."""
+    system = Path(os.environ[ENV]).resolve() / "system"
+    if not (system / "flcore" / "clients" / "clientbase.py").is_file():
+        pytest.fail(f"{ENV}={system.parent} is not a checkout of TsingZ0/HtFLlib (no system/flcore/clients)")
+    # their models.py imports torchvision, whose import of torch._dynamo looks for sklearn's spec: loaded first,
+    # before the stand-in sklearn (which has none) is in place
+    importlib.import_module("torchvision")
+    metrics = MetricsStandIn()
+    names = {"cbase": "flcore.clients.clientbase", **{m: f"flcore.clients.client{m}" for m in METHODS},
+             **{f"s{m}": f"flcore.servers.server{m}" for m in METHODS}}
+    with _pfllib_on_path(system, metrics):   # same top-level names (flcore, utils) and stand-ins as PFLlib's
+        mods = {k: importlib.import_module(v) for k, v in names.items()}
+    for mod in mods.values():
+        assert Path(mod.__file__).resolve().is_relative_to(system), f"imported {mod.__file__}, not from {system}"
+    return SimpleNamespace(metrics=metrics, **mods)
+
+
+class Store:
+    """HtFLlib's ``save_item`` / ``load_item`` (one ``torch.save`` file per role and item) in memory: every save
+    and load a deep copy, as a file round trip is; a missing item is None, as theirs."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[str, str], Any] = {}
+
+    def save_item(self, item: Any, role: str, name: str, path: str | None = None) -> None:
+        """Keep a copy."""
+        self.items[(role, name)] = copy.deepcopy(item)
+
+    def load_item(self, role: str, name: str, path: str | None = None) -> Any:
+        """A copy, or None."""
+        return copy.deepcopy(self.items.get((role, name)))
+
+
+@pytest.fixture
+def store(htfl: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Store:
+    """A fresh in-memory store behind every HtFLlib module's ``save_item`` / ``load_item``."""
+    s = Store()
+    for mod in vars(htfl).values():
+        if isinstance(mod, ModuleType):
+            for name in ("save_item", "load_item"):
+                if hasattr(mod, name):
+                    monkeypatch.setattr(mod, name, getattr(s, name))
+    return s
+
+
+# ---- the shared setting ---------------------------------------------------------------------------------------
+def _batches(n: int, seed: int, missing: tuple[int, ...] = ()) -> list[tuple[Tensor, Tensor]]:
+    """``n`` batches of BATCH images (3 x SIZE x SIZE) with labels drawn from the classes not in ``missing``."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([c for c in range(CLASSES) if c not in missing])
+    return [(torch.randn(BATCH, 3, SIZE, SIZE, generator=g),
+             allowed[torch.randint(len(allowed), (BATCH,), generator=g)]) for _ in range(n)]
+
+
+def _data(cid: int, batches: list[tuple[Tensor, Tensor]]) -> ClientData:
+    """Our ClientData over exactly these batches, in this order, every epoch (HtFLlib's train loader does not
+    shuffle; its ``collect_protos`` pass reads the same batches)."""
+    ours = [Batch(x, y, torch.arange(len(y)), {}) for x, y in batches]
+    return ClientData(cid, sum(len(y) for _, y in batches), lambda: iter(ours), torch.Generator().manual_seed(cid),
+                      settings=TrainSettings(local_epochs=EPOCHS, batch_size=BATCH, optimizer=dict(SGD)))
+
+
+def _ours(cls: type[Method], **params: Any) -> Method:
+    """Our method with client 0 on resnet_mini_18 and client 1 on resnet_mini_50 (seeded draws)."""
+    torch.manual_seed(0)
+    return cls([prompt_adapter(build_backbone(a)) for a in ARCHS], CLASSES, {**COMMON, **params},
+               client_backbones=[0, 1])
+
+
+class Base(nn.Module):
+    """HtFLlib's ``model.base``: the backbone, then the map to the common width (their ``AdaptiveAvgPool1d`` in
+    place of ``fc``; here our pooling module, the same op)."""
+
+    def __init__(self, net: nn.Module, proj: nn.Module) -> None:
+        super().__init__()
+        self.net, self.proj = net, proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Features of width DIM."""
+        return self.proj(self.net(x))
+
+
+class Split(nn.Module):
+    """HtFLlib's ``BaseHeadSplit`` (``base``, ``head``; forward = head(base(x))) of copies of our model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.base = Base(copy.deepcopy(model.net), copy.deepcopy(model.proj))
+        self.head = copy.deepcopy(model.head)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits."""
+        return self.head(self.base(x))
+
+
+def _named(model: nn.Module) -> dict[str, Tensor]:
+    """Their Split's parameters and buffers under our names (``base.`` dropped)."""
+    items = list(model.named_parameters()) + list(model.named_buffers())
+    return {k.removeprefix("base."): v.detach().clone() for k, v in items}
+
+
+def _adopt(model: nn.Module, ours: dict[str, Tensor]) -> None:
+    """Our tensors (parameters and buffers) into their model, once compared: the next stage starts bit-identical."""
+    theirs = dict(model.named_parameters()) | dict(model.named_buffers())
+    with torch.no_grad():
+        for k, t in theirs.items():
+            t.copy_(ours[k.removeprefix("base.")])
+
+
+def _args(**extra: Any) -> SimpleNamespace:
+    """The ``args`` their clients and ``Server.__init__`` read. ``save_folder_name`` contains ``temp`` (and is not
+    ``temp``) so that their ``Client.__init__`` builds no model of its own: the test stores ours."""
+    return SimpleNamespace(
+        algorithm="compare", dataset="none", device="cpu", save_folder_name="mem_temp",
+        save_folder_name_full="mem_temp", models_folder_name="",
+        num_classes=CLASSES, feature_dim=DIM, batch_size=BATCH, local_learning_rate=LR, local_epochs=EPOCHS,
+        few_shot=0, global_rounds=1, join_ratio=1.0, random_join_ratio=False, time_select=False, goal="test",
+        time_threthold=float("inf"), top_cnt=100, auto_break=False, eval_gap=1, client_drop_rate=0.0,
+        train_slow_rate=0.0, send_slow_rate=0.0, **extra)
+
+
+def _their_clients(htfl: SimpleNamespace, cls: type, args: SimpleNamespace, store: Store, method: Method,
+                   data: dict[int, list], test: list) -> list:
+    """Their client ``cls`` per client, loaders returning our batches (train: ``data[c]``, test: ``test``), each
+    with a copy of our client model in the store; built under a forked torch generator (their ``__init__``
+    reseeds the global one)."""
+    class Driven(cls):
+        """``cls`` fed by fixed batches (their loaders read .npz files)."""
+
+        def __init__(self, *a: Any, fixed: list, **kw: Any) -> None:
+            self.fixed_train = fixed
+            super().__init__(*a, **kw)
+
+        def load_train_data(self, batch_size: int | None = None) -> list:
+            """The fixed training batches."""
+            return list(self.fixed_train)
+
+        def load_test_data(self, batch_size: int | None = None) -> list:
+            """The fixed test batches."""
+            return list(test)
+
+    clients = []
+    with torch.random.fork_rng(devices=[]):
+        for c, batches in data.items():
+            clients.append(Driven(args, id=c, train_samples=sum(len(y) for _, y in batches),
+                                  test_samples=sum(len(y) for _, y in test), train_slow=False, send_slow=False,
+                                  fixed=batches))
+            store.save_item(Split(method.model_for(c)), clients[-1].role, "model")
+    return clients
+
+
+def _their_server(cls: type, base: ModuleType, args: SimpleNamespace, clients: list, **attrs: Any) -> Any:
+    """Their server ``cls`` with ``clients``, all selected: ``Server.__init__`` (from args) without the subclass's,
+    which reads every client's data files; the subclass's attributes given as ``attrs``."""
+    server = cls.__new__(cls)
+    base.Server.__init__(server, SimpleNamespace(**vars(args), num_clients=len(clients)), 0)
+    server.clients, server.selected_clients = list(clients), list(clients)
+    server.num_clients = server.num_join_clients = server.current_num_join_clients = len(clients)
+    for k, v in attrs.items():
+        setattr(server, k, v)
+    return server
+
+
+def _our_order(stream: int, rnd: int) -> Callable[..., Any]:
+    """A stand-in for their server's ``DataLoader(pairs, batch_size, drop_last=False, shuffle=True)``: each pass
+    (``__iter__``) takes the next permutation of our server's seeded generator for round ``rnd`` (fedgh.py:114,
+    fedtgp.py:100), so both servers see the same minibatches in the same order."""
+    g = torch.Generator().manual_seed(stream_seed(SEED, rnd, 0, stream))
+
+    class Ordered:
+        """Minibatches of (prototype, label) pairs in our order."""
+
+        def __init__(self, pairs: list, batch_size: int, drop_last: bool = False, shuffle: bool = True) -> None:
+            assert shuffle and not drop_last
+            self.pairs, self.bs = list(pairs), batch_size
+
+        def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+            perm = torch.randperm(len(self.pairs), generator=g).tolist()
+            for i in range(0, len(perm), self.bs):
+                chunk = [self.pairs[j] for j in perm[i:i + self.bs]]
+                yield torch.stack([p for p, _ in chunk]), torch.tensor([int(y) for _, y in chunk])
+
+    return Ordered
+
+
+def _in_order(sample: Any) -> SimpleNamespace:
+    """``random`` for their server: ``sample`` keeps the clients' order (ours: ascending cid)."""
+    return SimpleNamespace(sample=lambda xs, k: list(xs)[:k])
+
+
+def _fit(method: Method, cid: int, state: dict, downlink: dict, data: ClientData) -> tuple[dict, FitResult]:
+    """Our client's round, its model in train mode as the engine leaves it."""
+    method.model_for(cid).train()
+    return method.client.fit(cid, state, downlink, data, data.settings)
+
+
+def _model_state(method: Method, cid: int) -> dict[str, Tensor]:
+    """Every tensor of our client's model after its update (our prototype buffers excluded)."""
+    return module_state(method.model_for(cid), [k for k in method.keys(cid) if k not in ("protos", "proto_mask")])
+
+
+def _uploaded(up: dict[str, Tensor], theirs: dict[int, Tensor]) -> dict[str, Tensor]:
+    """Their per-class dict of an upload as our rows (the same classes, ascending)."""
+    assert sorted(theirs) == up["labels"].tolist(), "the uploaded classes differ"
+    return {"protos": torch.stack([theirs[int(c)] for c in up["labels"]])}
+
+
+def _upload_dict(up: dict[str, Tensor]) -> dict[int, Tensor]:
+    """Our upload as their per-class dict (classes ascending)."""
+    return {int(c): p.clone() for c, p in zip(up["labels"], up["protos"])}
+
+
+# ---- FedGH ----------------------------------------------------------------------------------------------------
+def test_fedgh_local_update_representations_server_head_and_scores(htfl, store, monkeypatch):
+    """FedGH (clientgh.py, servergh.py): the client's CE update behind the global head, its per-class mean
+    representations (eval mode), the server's SGD on the head over the (mean, label) pairs (lr ``server_lr``,
+    ``server_epochs``, batch size = the clients', servergh.py:186-198) and each client's logits with the new head,
+    two rounds."""
+    method = _ours(FedGH, server_lr=0.1, server_epochs=2, server_batch_size=3)
+    data = {0: _batches(3, 10, missing=(2,)), 1: _batches(2, 11, missing=(0, 3))}
+    test = _batches(1, 12)
+    args = _args(server_learning_rate=0.1, server_epochs=2)
+    clients = _their_clients(htfl, htfl.gh.clientGH, args, store, method, data, test)
+    # their server batches the pairs by the clients' batch size (servergh.py:187): here our server_batch_size 3
+    server = _their_server(htfl.sgh.FedGH, htfl.sgh, args, clients, server_learning_rate=0.1, server_epochs=2,
+                           CEloss=nn.CrossEntropyLoss(), batch_size=3)
+    monkeypatch.setattr(htfl.sgh, "random", _in_order(None))
+    store.save_item(store.load_item(clients[0].role, "model").head, "Server", "head")   # servergh.py:121-122
+
+    state, states = method.strategy.init_state(2), {c: method.client.init_state(c) for c in data}
+    _close(state["model"], {"head." + k: v for k, v in _named(store.load_item("Server", "head")).items()},
+           "FedGH initial global head (client 0's)")
+    for r in (1, 2):
+        server.send_parameters()
+        if r == 2:   # what each client receives, and how it scores (their evaluate() after send_parameters)
+            htfl.metrics.scored.clear()
+            for c, client in enumerate(clients):
+                client.test_metrics()
+                model = method.model_for(c).eval()
+                method.evaluator.load(model, c, state, states[c], _data(c, data[c]))
+                ours = torch.cat([method.evaluator.predict(model, Batch(x, y, torch.arange(len(y)), {}))
+                                  for x, y in test])
+                _close({"logits": ours}, {"logits": torch.from_numpy(htfl.metrics.scored[-1])},
+                       f"FedGH round {r} client {c} test logits")
+        results = []
+        for c, client in enumerate(clients):
+            client.train()
+            client.collect_protos()
+            states[c], res = _fit(method, c, states[c], method.strategy.configure(state, c), _data(c, data[c]))
+            results.append(res)
+            their_model = store.load_item(client.role, "model")
+            _close(_model_state(method, c), _named(their_model), f"FedGH round {r} client {c} model")
+            _close(res.uplink, _uploaded(res.uplink, store.load_item(client.role, "protos")),
+                   f"FedGH round {r} client {c} per-class representations", ["protos"])
+            _adopt(their_model, _model_state(method, c))
+            store.save_item(their_model, client.role, "model")
+            store.save_item(_upload_dict(res.uplink), client.role, "protos")
+        state = method.strategy.aggregate(RoundInfo(r, 2, 1.0, SEED), state, results)
+        monkeypatch.setattr(htfl.sgh, "DataLoader", _our_order(fedgh.SERVER_STREAM, r))
+        server.receive_protos()
+        server.train_head()
+        head = store.load_item("Server", "head")
+        _close(state["model"], {"head." + k: v for k, v in _named(head).items()}, f"FedGH round {r} global head")
+        _adopt(head, {k.removeprefix("head."): v for k, v in state["model"].items()})
+        store.save_item(head, "Server", "head")
