@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import importlib
 import os
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -48,6 +49,7 @@ from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import FitResult, Method, RoundInfo, module_state
 from fedcore.engine.sampling import stream_seed
 from fedcore.methods import fedgh, fedtgp
+from fedcore.methods.base import prototype_uplink
 from fedcore.methods.fedgh import FedGH
 from fedcore.methods.fedproto import FedProto
 from fedcore.methods.fedtgp import FedTGP
@@ -332,3 +334,167 @@ def test_fedgh_local_update_representations_server_head_and_scores(htfl, store, 
         _close(state["model"], {"head." + k: v for k, v in _named(head).items()}, f"FedGH round {r} global head")
         _adopt(head, {k.removeprefix("head."): v for k, v in state["model"].items()})
         store.save_item(head, "Server", "head")
+
+
+# ---- FedTGP ---------------------------------------------------------------------------------------------------
+def _their_tgp(htfl: SimpleNamespace, gen: dict[str, Tensor]) -> nn.Module:
+    """Their ``Trainable_Global_Prototypes`` holding our G_p's tensors (servertgp.py:340-360)."""
+    tgp = htfl.stgp.Trainable_Global_Prototypes(CLASSES, DIM, DIM, "cpu")
+    _set_tgp(tgp, gen)
+    return tgp
+
+
+def _set_tgp(tgp: nn.Module, gen: dict[str, Tensor]) -> None:
+    """Copy our G_p into theirs."""
+    with torch.no_grad():
+        for k, t in _tgp_tensors(tgp).items():
+            t.copy_(gen[k])
+
+
+def _tgp_tensors(tgp: nn.Module) -> dict[str, Tensor]:
+    """Their G_p's tensors under our names (fedtgp.GENERATOR)."""
+    return {"embedding": tgp.embedings.weight, "w1": tgp.middle[0][0].weight, "b1": tgp.middle[0][0].bias,
+            "w2": tgp.fc.weight, "b2": tgp.fc.bias}
+
+
+class MSERecorder(nn.Module):
+    """Their client's ``loss_mse``, recording every value it returns (their test scores each (sample, class) pair
+    with it, clienttgp.py:109-113 / clientproto.py:109-113)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: list[Tensor] = []
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        """``nn.MSELoss()(a, b)``, recorded when no gradient is taken (the test pass)."""
+        out = nn.functional.mse_loss(a, b)
+        if not torch.is_grad_enabled():
+            self.values.append(out.detach().clone())
+        return out
+
+
+def _check_prototype_scores(method: Method, state: dict, states: dict, clients: list, data: dict, test: list,
+                            what: str) -> None:
+    """Their ``test_metrics`` (per sample and global prototype: MSE, a mean over the width; argmin) against our
+    logits (minus the squared distance, a sum over the width): ours = −DIM · theirs where they have a prototype,
+    −inf (ours) / inf (theirs) where not; the same accuracy."""
+    for c, client in enumerate(clients):
+        client.loss_mse = MSERecorder()
+        correct, total, _ = client.test_metrics()
+        model = method.model_for(c).eval()
+        method.evaluator.load(model, c, state, states[c], _data(c, data[c]))
+        ours = torch.cat([method.evaluator.predict(model, Batch(x, y, torch.arange(len(y)), {})) for x, y in test])
+        have = state["mask"] > 0
+        theirs = torch.stack(client.loss_mse.values).reshape(len(ours), int(have.sum()))
+        _close({"scores": ours[:, have] / -DIM}, {"scores": theirs}, f"{what} client {c} test scores (MSE)")
+        assert bool(torch.isneginf(ours[:, ~have]).all())
+        labels = torch.cat([y for _, y in test])
+        assert (total, correct) == (len(labels), int((ours.argmax(1) == labels).sum()))
+
+
+def _pre_update_prototypes(method: Method, cid: int, before: dict[str, Tensor], data: ClientData) -> dict:
+    """Our upload's rule (eval-mode class means of one pass) applied to a copy of client ``cid``'s model holding
+    ``before``, its tensors before the round's update."""
+    model = copy.deepcopy(method.model_for(cid))
+    model.load_state_dict(before, strict=False)
+    return prototype_uplink(*method.client.class_sums(model, data))
+
+
+def test_fedtgp_local_update_prototypes_margin_generator_and_scores(htfl, store, monkeypatch):
+    """FedTGP (clienttgp.py, servertgp.py), two rounds: the client's update (round 1: CE only, no global
+    prototypes; round 2: CE + λ·MSE to G_p's prototypes), its eval-mode per-class prototypes, the server's margin
+    (servertgp.py:271-284, 308), ``server_epochs`` of SGD on G_p (servertgp.py:289-318: lr and batch size the
+    clients', as our server_lr and server_batch_size are set here), the prototypes G_p(c) of every class and each
+    client's nearest-prototype scores."""
+    method = _ours(FedTGP, lam=10.0, server_epochs=3, server_lr=LR, server_batch_size=3, margin_threshold=100.0)
+    data = {0: _batches(3, 20, missing=(2,)), 1: _batches(2, 21, missing=(0, 3))}
+    test = _batches(1, 22)
+    args = _args(lamda=10.0, server_epochs=3, margin_threthold=100.0)
+    clients = _their_clients(htfl, htfl.tgp.clientTGP, args, store, method, data, test)
+    server = _their_server(htfl.stgp.FedTGP, htfl.stgp, args, clients, server_learning_rate=LR, batch_size=3,
+                           server_epochs=3, margin_threthold=100.0, feature_dim=DIM, CEloss=nn.CrossEntropyLoss())
+    state, states = method.strategy.init_state(2), {c: method.client.init_state(c) for c in data}
+    store.save_item(_their_tgp(htfl, state["generator"]), "Server", "TGP")
+
+    for r in (1, 2):
+        assert (store.load_item("Server", "global_protos") is None) == (r == 1)   # round 1: CE only on both
+        results = []
+        for c, client in enumerate(clients):
+            client.train()   # trains, then collect_protos (clienttgp.py:60)
+            before = _model_state(method, c)
+            states[c], res = _fit(method, c, states[c], method.strategy.configure(state, c), _data(c, data[c]))
+            results.append(res)
+            their_model = store.load_item(client.role, "model")
+            _close(_model_state(method, c), _named(their_model), f"FedTGP round {r} client {c} model")
+            # UNDOCUMENTED difference: clientTGP.train calls collect_protos (clienttgp.py:60) BEFORE it saves the
+            # trained model (clienttgp.py:61), and collect_protos loads the SAVED model (clienttgp.py:69): their
+            # prototypes are the eval-mode class means of the model as it was before this round's update (round 1:
+            # the initial model). Ours (fedtgp.py:66-68, base.py:296-311) take them from the trained model.
+            theirs = _uploaded(res.uplink, store.load_item(client.role, "protos"))
+            _close(_pre_update_prototypes(method, c, before, _data(c, data[c])), theirs,
+                   f"FedTGP round {r} client {c} prototypes (theirs: of the model before the update)", ["protos"])
+            assert not torch.allclose(res.uplink["protos"], theirs["protos"], rtol=1e-2, atol=1e-2)
+            _adopt(their_model, _model_state(method, c))
+            store.save_item(their_model, client.role, "model")
+            store.save_item(_upload_dict(res.uplink), client.role, "protos")
+        state = method.strategy.aggregate(RoundInfo(r, 2, 1.0, SEED), state, results)
+        monkeypatch.setattr(htfl.stgp, "DataLoader", _our_order(fedtgp.SERVER_STREAM, r))
+        server.receive_protos()
+        margin = min(server.max_gap.item(), server.margin_threthold)
+        _close({"margin": state["margin"]}, {"margin": torch.tensor(margin)}, f"FedTGP round {r} margin")
+        assert 0 < margin < 100.0                                               # the distance, not the cap
+        server.update_TGP()
+        tgp = store.load_item("Server", "TGP")
+        _close(state["generator"], {k: v.detach() for k, v in _tgp_tensors(tgp).items()}, f"FedTGP round {r} G_p")
+        glob = store.load_item("Server", "global_protos")
+        assert sorted(glob) == list(range(CLASSES))                              # every class, uploaded or not
+        _close({"protos": state["protos"]}, {"protos": torch.stack([glob[k] for k in range(CLASSES)])},
+               f"FedTGP round {r} global prototypes")
+        assert bool((state["mask"] > 0).all())
+        # round 2 (and the scores) from our server's exact tensors
+        _set_tgp(tgp, state["generator"])
+        store.save_item(tgp, "Server", "TGP")
+        store.save_item({k: state["protos"][k].clone() for k in range(CLASSES)}, "Server", "global_protos")
+        _check_prototype_scores(method, state, states, clients, data, test, f"FedTGP round {r}")
+
+
+# ---- FedProto -------------------------------------------------------------------------------------------------
+def test_fedproto_local_update_in_training_prototypes_average_and_scores(htfl, store):
+    """FedProto (clientproto.py, serverproto.py), two rounds: the client's update (round 1 CE only; round 2 CE +
+    λ·MSE to the global prototypes, a class without one adding nothing), the prototypes it collects while training
+    (every batch of every epoch, train mode, clientproto.py:55-57), the server's per-class mean over the clients
+    that uploaded the class (``weighting: clients``, serverproto.py:75-90; a class nobody has gets none) and each
+    client's nearest-prototype scores."""
+    method = _ours(FedProto, lam=10.0, weighting="clients")
+    data = {0: _batches(3, 30, missing=(3,)), 1: _batches(2, 31, missing=(1, 3))}   # nobody has class 3
+    test = _batches(1, 32)
+    args = _args(lamda=10.0)
+    clients = _their_clients(htfl, htfl.proto.clientProto, args, store, method, data, test)
+    server = _their_server(htfl.sproto.FedProto, htfl.sproto, args, clients)
+    state, states = method.strategy.init_state(2), {c: method.client.init_state(c) for c in data}
+
+    for r in (1, 2):
+        assert (store.load_item("Server", "global_protos") is None) == (r == 1)   # round 1: CE only on both
+        results = []
+        for c, client in enumerate(clients):
+            client.train()
+            states[c], res = _fit(method, c, states[c], method.strategy.configure(state, c), _data(c, data[c]))
+            results.append(res)
+            their_model = store.load_item(client.role, "model")
+            _close(_model_state(method, c), _named(their_model), f"FedProto round {r} client {c} model")
+            _close(res.uplink, _uploaded(res.uplink, store.load_item(client.role, "protos")),
+                   f"FedProto round {r} client {c} prototypes (while training)", ["protos"])
+            _adopt(their_model, _model_state(method, c))
+            store.save_item(their_model, client.role, "model")
+            store.save_item(_upload_dict(res.uplink), client.role, "protos")
+        state = method.strategy.aggregate(RoundInfo(r, 2, 1.0, SEED), state, results)
+        server.receive_protos()
+        glob = store.load_item("Server", "global_protos")
+        assert sorted(glob) == [0, 1, 2] and state["mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
+        _close({"protos": state["protos"][:3]}, {"protos": torch.stack([glob[k] for k in range(3)])},
+               f"FedProto round {r} global prototypes")
+        assert not bool(state["protos"][3].any())
+        # round 2 (and the scores) from our server's exact prototypes, a class without one absent as theirs
+        store.save_item(defaultdict(list, {k: state["protos"][k].clone() for k in range(3)}), "Server",
+                        "global_protos")
+        _check_prototype_scores(method, state, states, clients, data, test, f"FedProto round {r}")
