@@ -403,6 +403,7 @@ def _pre_update_prototypes(method: Method, cid: int, before: dict[str, Tensor], 
     return prototype_uplink(*method.client.class_sums(model, data))
 
 
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor:UserWarning")   # servertgp.py:355 on a tensor
 def test_fedtgp_local_update_prototypes_margin_generator_and_scores(htfl, store, monkeypatch):
     """FedTGP (clienttgp.py, servertgp.py), two rounds: the client's update (round 1: CE only, no global
     prototypes; round 2: CE + λ·MSE to G_p's prototypes), its eval-mode per-class prototypes, the server's margin
