@@ -511,6 +511,7 @@ def test_fedproto_local_update_in_training_prototypes_average_and_scores(htfl, s
 # Adam lr 0.01 (HtFLlib: 0.1): its normalised steps amplify the rounding of near-zero gradient entries in
 # proportion to lr (at 0.1 one entry of fc1.weight was 1.3e-6 apart after a round of 5 steps)
 NOISE, HIDDEN, GEN_STEPS, GEN_LR = 6, 10, 5, 0.01
+ADAM_ATOL = 5e-6
 
 
 def _gen_names(theirs: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -617,8 +618,14 @@ def test_fedgen_regularised_update_generator_training_head_average_and_scores(ht
         # fc1.bias feeds G's BatchNorm in train mode (batch statistics), which subtracts it again: its gradient is
         # 0 up to rounding (~1e-9), which Adam's normalisation turns into ±lr steps on either side. It has no
         # effect on G's output, so it is left out and G's output on a fixed batch compared instead.
-        _close(state["generator"], _gen_names(_named(trained)), f"FedGen round {r} generator (Adam steps)",
-               [k for k in state["generator"] if k != "fc1.bias"])
+        # Adam divides each entry's gradient by its own running magnitude: an entry whose gradient nearly cancels
+        # over the batch (noise and one-hot columns of fc1.weight, whose BatchNorm centres the gradient) carries the
+        # two sides' ~1e-7 relative rounding (our einsum ensemble, their loop over heads) into its step: up to
+        # ~1.2e-6 at lr 0.01 over the data draws tried, hence ADAM_ATOL for G's tensors
+        theirs_g = _gen_names(_named(trained))
+        worst = max(float((v - theirs_g[k]).abs().max()) for k, v in state["generator"].items() if k != "fc1.bias")
+        print(f"FedGen round {r} generator (Adam steps): max abs diff {worst:.2e}")
+        assert worst < ADAM_ATOL
         _check_generator_output(method, state["generator"], trained)
         server.aggregate_parameters()
         head = store.load_item("Server", "head")
