@@ -288,18 +288,18 @@ def _upload_dict(up: dict[str, Tensor]) -> dict[int, Tensor]:
 def test_fedgh_local_update_representations_server_head_and_scores(htfl, store, monkeypatch):
     """FedGH (clientgh.py, servergh.py): the client's CE update behind the global head, its per-class mean
     representations (eval mode), the server's SGD on the head over the (mean, label) pairs (lr ``server_lr``,
-    ``server_epochs``, batch size = the clients', servergh.py:186-198) and each client's logits with the new head,
+    ``server_epochs``, batch size = the clients', servergh.py:93-108) and each client's logits with the new head,
     two rounds."""
     method = _ours(FedGH, server_lr=0.1, server_epochs=2, server_batch_size=3)
     data = {0: _batches(3, 10, missing=(2,)), 1: _batches(2, 11, missing=(0, 3))}
     test = _batches(1, 12)
     args = _args(server_learning_rate=0.1, server_epochs=2)
     clients = _their_clients(htfl, htfl.gh.clientGH, args, store, method, data, test)
-    # their server batches the pairs by the clients' batch size (servergh.py:187): here our server_batch_size 3
+    # their server batches the pairs by the clients' batch size (servergh.py:95): here our server_batch_size 3
     server = _their_server(htfl.sgh.FedGH, htfl.sgh, args, clients, server_learning_rate=0.1, server_epochs=2,
                            CEloss=nn.CrossEntropyLoss(), batch_size=3)
     monkeypatch.setattr(htfl.sgh, "random", _in_order())
-    store.save_item(store.load_item(clients[0].role, "model").head, "Server", "head")   # servergh.py:121-122
+    store.save_item(store.load_item(clients[0].role, "model").head, "Server", "head")   # servergh.py:29-30
 
     state, states = method.strategy.init_state(2), {c: method.client.init_state(c) for c in data}
     _close(state["model"], {"head." + k: v for k, v in _named(store.load_item("Server", "head")).items()},
@@ -341,7 +341,7 @@ def test_fedgh_local_update_representations_server_head_and_scores(htfl, store, 
 
 # ---- FedTGP ---------------------------------------------------------------------------------------------------
 def _their_tgp(htfl: SimpleNamespace, gen: dict[str, Tensor]) -> nn.Module:
-    """Their ``Trainable_Global_Prototypes`` holding our G_p's tensors (servertgp.py:340-360)."""
+    """Their ``Trainable_Global_Prototypes`` holding our G_p's tensors (servertgp.py:171-192)."""
     tgp = htfl.stgp.Trainable_Global_Prototypes(CLASSES, DIM, DIM, "cpu")
     _set_tgp(tgp, gen)
     return tgp
@@ -362,7 +362,7 @@ def _tgp_tensors(tgp: nn.Module) -> dict[str, Tensor]:
 
 class MSERecorder(nn.Module):
     """Their client's ``loss_mse``, recording every value it returns (their test scores each (sample, class) pair
-    with it, clienttgp.py:109-113 / clientproto.py:109-113)."""
+    with it, clienttgp.py:109-113 / clientproto.py:89-93)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -403,11 +403,11 @@ def _pre_update_prototypes(method: Method, cid: int, before: dict[str, Tensor], 
     return prototype_uplink(*method.client.class_sums(model, data))
 
 
-@pytest.mark.filterwarnings("ignore:To copy construct from a tensor:UserWarning")   # servertgp.py:355 on a tensor
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor:UserWarning")   # servertgp.py:186 on a tensor
 def test_fedtgp_local_update_prototypes_margin_generator_and_scores(htfl, store, monkeypatch):
     """FedTGP (clienttgp.py, servertgp.py), two rounds: the client's update (round 1: CE only, no global
     prototypes; round 2: CE + λ·MSE to G_p's prototypes), its eval-mode per-class prototypes, the server's margin
-    (servertgp.py:271-284, 308), ``server_epochs`` of SGD on G_p (servertgp.py:289-318: lr and batch size the
+    (servertgp.py:102-115, 139), ``server_epochs`` of SGD on G_p (servertgp.py:120-155: lr and batch size the
     clients', as our server_lr and server_batch_size are set here), the prototypes G_p(c) of every class and each
     client's nearest-prototype scores."""
     method = _ours(FedTGP, lam=10.0, server_epochs=3, server_lr=LR, server_batch_size=3, margin_threshold=100.0)
@@ -524,7 +524,7 @@ class Draws:
     """Their random draws replayed from ours. Labels: their ``np.random.choice(qualified_labels, n)`` becomes our
     ``sample_labels`` over the same label counts, from the global torch generator on the clients (as our client)
     or from our server's seeded generator (``server``), where their ``torch.rand`` noise in ``Generator.forward``
-    (servergen.py:170) is then that generator's next draw too (ours: labels, then noise, fedgen.py:195-197)."""
+    (servergen.py:170) is then that generator's next draw too (ours: labels, then noise, fedgen.py:205-207)."""
 
     def __init__(self) -> None:
         self.server: torch.Generator | None = None
