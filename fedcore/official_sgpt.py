@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
 import types
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from fedcore.official_code import checkout_on_path, standin_modules
 
 #: top-level names the checkout's modules import by their bare name
 _CHECKOUT_NAMES = ("models", "utils", "datasets", "constants", "ml_collections")
@@ -46,21 +47,13 @@ class AttrDict(dict):
 
 def _import_from(checkout: Path, module: str) -> types.ModuleType:
     """``module`` imported with ``checkout`` first on sys.path; the checkout's bare names are unregistered after."""
-    saved = {n: m for n, m in sys.modules.items() if n.split(".")[0] in _CHECKOUT_NAMES}
-    for n in saved:
-        del sys.modules[n]
+    standins = {}
     try:
         importlib.import_module("ml_collections")
     except ImportError:
-        sys.modules["ml_collections"] = types.SimpleNamespace(ConfigDict=lambda d=None: AttrDict(d or {}))
-    sys.path.insert(0, str(checkout))
-    try:
+        standins = standin_modules({"ml_collections": {"ConfigDict": lambda d=None: AttrDict(d or {})}})
+    with checkout_on_path(checkout, _CHECKOUT_NAMES, standins):
         return importlib.import_module(module)
-    finally:
-        sys.path.remove(str(checkout))
-        for n in [n for n in sys.modules if n.split(".")[0] in _CHECKOUT_NAMES]:
-            del sys.modules[n]
-        sys.modules.update(saved)
 
 
 def _checkout(checkout: str | Path) -> Path:

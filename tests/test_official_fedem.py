@@ -25,14 +25,13 @@ server step n_t/n of ours.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import importlib.machinery
 import os
-import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -48,6 +47,7 @@ from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import RoundInfo
 from fedcore.methods.fedem import FedEM, component_losses, responsibilities
+from fedcore.official_code import checkout_on_path
 
 ENV = "FEDPROMPT_FEDEM_OFFICIAL"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a local checkout of "
@@ -73,30 +73,10 @@ def _standins() -> dict[str, ModuleType]:
     return mods
 
 
-def _theirs(name: str) -> bool:
-    """Whether a module name is one of their top-level modules or a stand-in."""
-    return name.split(".")[0] in THEIR_PACKAGES
-
-
-@contextmanager
-def _official_on_path(root: Path) -> Iterator[None]:
-    """Their checkout first on sys.path with the stand-ins; afterwards sys.path and sys.modules are as before (their
-    generic top-level names, ``client``, ``utils``, ``learners``, must not leak into other tests)."""
-    saved = {n: m for n, m in sys.modules.items() if _theirs(n)}
-    path, no_pyc = list(sys.path), sys.dont_write_bytecode
-    try:
-        for name in saved:
-            del sys.modules[name]
-        sys.path.insert(0, str(root))
-        sys.dont_write_bytecode = True   # leave their checkout as it is
-        sys.modules.update(_standins())
-        yield
-    finally:
-        for name in [n for n in sys.modules if _theirs(n)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
-        sys.path[:] = path
-        sys.dont_write_bytecode = no_pyc
+def _official_on_path(root: Path) -> contextlib.AbstractContextManager[None]:
+    """Their checkout first on sys.path with the stand-ins (their generic top-level names must not leak
+    into other tests)."""
+    return checkout_on_path(root, THEIR_PACKAGES, _standins())
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ cache, their fp16 precision. Run:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +35,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from fedcore.methods.fedotp import GLOBAL, LOCAL, solve_plans
+from fedcore.official_code import checkout_on_path, standin_modules
 
 ENV = "FEDPROMPT_FEDOTP_OFFICIAL"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of the "
@@ -70,40 +71,18 @@ DASSL_STANDINS = {
 THEIR_PACKAGES = ("Dassl", "clip", "trainers")
 
 
-def _theirs(name: str) -> bool:
-    """Whether a module name belongs to the official checkout's top-level packages (or our stand-ins)."""
-    return name.split(".")[0] in THEIR_PACKAGES
-
-
-@contextmanager
-def _official_on_path(root: Path) -> Iterator[None]:
-    """Their checkout first on sys.path with the Dassl stand-ins; afterwards sys.path and their module names are as
-    before (their generic names, ``clip`` and ``trainers``, must not leak into other tests)."""
-    saved = {n: m for n, m in sys.modules.items() if _theirs(n)}
-    path, no_pyc = list(sys.path), sys.dont_write_bytecode
-    try:
-        for name in saved:
-            del sys.modules[name]
-        for name, attrs in DASSL_STANDINS.items():
-            sys.modules[name] = mod = ModuleType(name)
-            mod.__dict__.update(attrs)
-        sys.path.insert(0, str(root))
-        sys.dont_write_bytecode = True  # leave their checkout as it is
-        yield
-    finally:
-        for name in [n for n in sys.modules if _theirs(n)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
-        sys.path[:] = path
-        sys.dont_write_bytecode = no_pyc
-
-
 @dataclass
 class Official:
     """The official modules: ``glp`` (trainers/GLP_OT.py) and ``clip`` (clip/clip.py, with build_model)."""
 
     glp: ModuleType
     clip: ModuleType
+
+
+def _official_on_path(root: Path) -> contextlib.AbstractContextManager[None]:
+    """Their checkout first on sys.path with the Dassl stand-ins (their generic names, ``clip`` and
+    ``trainers``, must not leak into other tests)."""
+    return checkout_on_path(root, THEIR_PACKAGES, standin_modules(DASSL_STANDINS))
 
 
 @pytest.fixture(scope="module")

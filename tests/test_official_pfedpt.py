@@ -21,11 +21,11 @@ our global model once compared: the official ViT's attention and ours round diff
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import importlib.machinery
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from fedcore.backbones.prompted import attention_backend
 from fedcore.backbones.registry import build_backbone, prompt_adapter
@@ -43,6 +43,7 @@ from fedcore.engine.data import Batch
 from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import RoundInfo
 from fedcore.methods.pfedpt import PFedPT
+from fedcore.official_code import checkout_on_path
 
 ENV = "FEDPROMPT_PFEDPT_OFFICIAL"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a local checkout of "
@@ -91,30 +92,10 @@ def _standins(metrics: MetricsStandIn) -> dict[str, ModuleType]:
     return mods
 
 
-def _theirs(name: str) -> bool:
-    """Whether a module name is one of their top-level packages or a stand-in."""
-    return name.split(".")[0] in THEIR_PACKAGES
-
-
-@contextmanager
-def _official_on_path(system: Path, metrics: MetricsStandIn) -> Iterator[None]:
-    """Their ``system`` folder first on sys.path with the stand-ins; afterwards sys.path and sys.modules are as
-    before (their generic top-level names, ``utils`` and ``flcore``, must not leak into other tests)."""
-    saved = {n: m for n, m in sys.modules.items() if _theirs(n)}
-    path, no_pyc = list(sys.path), sys.dont_write_bytecode
-    try:
-        for name in saved:
-            del sys.modules[name]
-        sys.path.insert(0, str(system))
-        sys.dont_write_bytecode = True   # leave their checkout as it is
-        sys.modules.update(_standins(metrics))
-        yield
-    finally:
-        for name in [n for n in sys.modules if _theirs(n)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
-        sys.path[:] = path
-        sys.dont_write_bytecode = no_pyc
+def _official_on_path(system: Path, metrics: MetricsStandIn) -> contextlib.AbstractContextManager[None]:
+    """Their ``system`` folder first on sys.path with the stand-ins (their generic top-level names must
+    not leak into other tests)."""
+    return checkout_on_path(system, THEIR_PACKAGES, _standins(metrics))
 
 
 @pytest.fixture(scope="module")

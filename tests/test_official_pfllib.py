@@ -23,12 +23,10 @@ largest differences found).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -51,6 +49,7 @@ from fedcore.methods.fedprox import FedProx
 from fedcore.methods.fedrep import FedRep
 from fedcore.methods.fedrod import COUNTS, FedRoD
 from fedcore.methods.scaffold import Scaffold
+from fedcore.official_code import checkout_on_path
 
 ENV = "FEDPROMPT_PFLLIB"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of PFLlib "
@@ -99,30 +98,10 @@ def _standins(metrics: MetricsStandIn) -> dict[str, ModuleType]:
     return mods
 
 
-def _theirs(name: str) -> bool:
-    """Whether a module name is one of PFLlib's top-level packages or our stand-ins."""
-    return name.split(".")[0] in THEIR_PACKAGES
-
-
-@contextmanager
-def _pfllib_on_path(system: Path, metrics: MetricsStandIn) -> Iterator[None]:
-    """PFLlib's ``system`` folder first on sys.path with the stand-ins; afterwards sys.path and sys.modules are as
-    before (their generic top-level names, ``utils`` and ``flcore``, must not leak into other tests)."""
-    saved = {n: m for n, m in sys.modules.items() if _theirs(n)}
-    path, no_pyc = list(sys.path), sys.dont_write_bytecode
-    try:
-        for name in saved:
-            del sys.modules[name]
-        sys.path.insert(0, str(system))
-        sys.dont_write_bytecode = True  # leave their checkout as it is
-        sys.modules.update(_standins(metrics))
-        yield
-    finally:
-        for name in [n for n in sys.modules if _theirs(n)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
-        sys.path[:] = path
-        sys.dont_write_bytecode = no_pyc
+def _pfllib_on_path(system: Path, metrics: MetricsStandIn) -> contextlib.AbstractContextManager[None]:
+    """Their ``system`` folder first on sys.path with the stand-ins (their generic top-level names must
+    not leak into other tests)."""
+    return checkout_on_path(system, THEIR_PACKAGES, _standins(metrics))
 
 
 @pytest.fixture(scope="module")
