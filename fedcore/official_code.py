@@ -8,6 +8,7 @@ test see them, and nothing is written into the checkout. Used by ``tests/test_of
 """
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -28,9 +29,13 @@ def standin_modules(spec: Mapping[str, Mapping[str, Any]]) -> dict[str, ModuleTy
 @contextmanager
 def checkout_on_path(root: str | Path, names: Iterable[str],
                      standins: Mapping[str, ModuleType] | None = None) -> Iterator[None]:
-    """``root`` first on sys.path with ``standins`` registered; every module whose top-level name is in ``names`` (or
-    is a stand-in's) is unregistered on entry and again on exit, where the ones there before come back."""
+    """``root`` first on sys.path with ``standins`` registered (each given a module spec); every module whose
+    top-level name is in ``names`` (or is a stand-in's) is unregistered on entry and again on exit, where the ones
+    there before come back."""
     standins = dict(standins or {})
+    for name, mod in standins.items():  # torch._dynamo looks some names up with importlib.util.find_spec
+        if getattr(mod, "__spec__", None) is None:
+            mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
     top = set(names) | {n.split(".")[0] for n in standins}
 
     def theirs(name: str) -> bool:

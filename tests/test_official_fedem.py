@@ -68,8 +68,6 @@ def _standins() -> dict[str, ModuleType]:
     mods = {n: ModuleType(n) for n in ("sklearn", "sklearn.metrics", "sklearn.cluster")}
     mods["sklearn.metrics"].pairwise_distances = mods["sklearn.cluster"].AgglomerativeClustering = None
     mods["sklearn"].metrics, mods["sklearn"].cluster = mods["sklearn.metrics"], mods["sklearn.cluster"]
-    for name, mod in mods.items():   # torch._dynamo looks some names up with importlib.util.find_spec
-        mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
     return mods
 
 

@@ -84,8 +84,6 @@ def _standins(metrics: MetricsStandIn) -> dict[str, ModuleType]:
     """Modules only their harness needs (metrics, result files, data files, a Hugging Face ViT they never build)."""
     mods = {n: ModuleType(n) for n in ("sklearn", "sklearn.preprocessing", "h5py", "ujson", "transformers")}
     mods["sklearn.metrics"] = metrics
-    for name, mod in mods.items():   # torch._dynamo looks some of these names up with importlib.util.find_spec
-        mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
     mods["sklearn.preprocessing"].label_binarize = _label_binarize
     mods["sklearn"].metrics, mods["sklearn"].preprocessing = metrics, mods["sklearn.preprocessing"]
     mods["transformers"].ViTImageProcessor = mods["transformers"].ViTForImageClassification = None
