@@ -214,7 +214,11 @@ class _ClassStream:
                                        "test_per_class": REQUIRED, "test": "proportional"},
                  test_modes=("proportional", "full"), limits=_pathological_limits)
 def pathological(spec: dict, labels: Labels, rng: np.random.Generator):
-    """FedPFT: each client gets `classes_per_client` random classes, fixed train/test counts per class."""
+    """FedPFT: each client gets `classes_per_client` random classes, fixed train/test counts per class.
+
+    Unlike Fling's pathological_sampling (FedPFT's group's framework), which samples every client independently
+    (clients overlap from the start), a class's samples go to clients disjointly until its pool runs dry
+    (DEVIATIONS.md, Partitions; tests/test_official_partitions.py)."""
     train_y, test_y = labels.train_y, labels.test_y
     m, s = spec["clients"], spec["classes_per_client"]
     classes = np.unique(train_y)
@@ -240,7 +244,11 @@ def pathological(spec: dict, labels: Labels, rng: np.random.Generator):
                                                "test_per_client": REQUIRED, "test": "proportional"},
                  test_modes=("proportional", "full"))
 def dirichlet_per_client(spec: dict, labels: Labels, rng: np.random.Generator):
-    """FedPFT: q_i ~ Dir(alpha 1_C) per client; exact totals; independent sampling across clients."""
+    """FedPFT: q_i ~ Dir(alpha 1_C) per client; exact totals; independent sampling across clients.
+
+    Counts are largest-remainder shares of q_i (every class within 1 of total * q_ic); Fling's dirichlet_sampling
+    rounds int(total * q_ic + 0.5) capped at what is left and gives the last class the rest, so its totals are exact
+    too but its last class absorbs the rounding (DEVIATIONS.md, Partitions; tests/test_official_partitions.py)."""
     train_y, test_y = labels.train_y, labels.test_y
     classes = np.unique(train_y)
     train_pools = {int(c): np.flatnonzero(train_y == c) for c in classes}
