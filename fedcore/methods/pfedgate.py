@@ -307,7 +307,12 @@ class PFedGate(WholeModelMethod):
       is a blend of sub-models that none trained (mini pft_c10_dir0p1: best mean local accuracy 46 %, not 78 %).
       A client that never trained uses its initial gating layer. No learning-rate or sparsity schedules (FedPFT:
       constant learning rates).
-    * The official knapsack sorts equal values in numpy's (unstable) order; ours keeps model order.
+    * The official knapsack sorts equal values in numpy's (unstable) order; ours keeps model order. Its values
+      round(10·score) are computed in float64 (numpy on the scores' Python floats), ours in fp32: a score whose
+      fp32 product lands on x.5 gets the other integer (t = 0.45000002: official 5, ours 4).
+    * θ's optimiser is the experiment's, fresh each round (FedPFT's protocol for every baseline); the official
+      learner builds one per client (its ``get_optimizer``: SGD, momentum 0.9, weight decay 5e-4, at
+      ``lr_model``) and keeps it, momentum included, across rounds.
     * The classifier head is never pruned (``prune_head: false``): its blocks join no knapsack group, so they
       are kept and scaled by their scores. The official rule gives nn.Linear blocks their own budget; in the
       official CIFAR CNN the large fc1 absorbs it and the output layer is never pruned, but on FedPFT's ResNets
