@@ -123,7 +123,9 @@ def select_blocks(scores: Tensor, table: BlockTable, sparsity: float, floor: flo
     rest); each tensor's first block is always kept; ties keep model order. s = 1 keeps every block."""
     if sparsity >= 1:
         return scores
-    values = torch.round(scores.detach().float() * SCORE_SCALE).cpu().tolist()
+    # float64, as the official code (numpy on the scores' Python floats): in fp32 a score within an ulp of a x.5
+    # boundary lands on x.5 and rounds to the other integer
+    values = torch.round(scores.detach().double() * SCORE_SCALE).cpu().tolist()
     sizes = table.sizes
     keep = torch.ones_like(scores)
     for group in (table.linear, table.other):
@@ -307,9 +309,8 @@ class PFedGate(WholeModelMethod):
       is a blend of sub-models that none trained (mini pft_c10_dir0p1: best mean local accuracy 46 %, not 78 %).
       A client that never trained uses its initial gating layer. No learning-rate or sparsity schedules (FedPFT:
       constant learning rates).
-    * The official knapsack sorts equal values in numpy's (unstable) order; ours keeps model order. Its values
-      round(10·score) are computed in float64 (numpy on the scores' Python floats), ours in fp32: a score whose
-      fp32 product lands on x.5 gets the other integer (t = 0.45000002: official 5, ours 4).
+    * The official knapsack sorts equal values in numpy's (unstable) order; ours keeps model order. Values
+      round(10·score) are computed in float64 on both sides (numpy on the scores' Python floats there).
     * θ's optimiser is the experiment's, fresh each round (FedPFT's protocol for every baseline); the official
       learner builds one per client (its ``get_optimizer``: SGD, momentum 0.9, weight decay 5e-4, at
       ``lr_model``) and keeps it, momentum included, across rounds.
