@@ -12,8 +12,8 @@ class PromptFL(ClipPromptMethod):
     (FedAvg); the global prompt is scored on every client's test split.
 
     Choices ([R] spec §8.11, §8.16; DEVIATIONS.md, FedOTP): the experiment's optimiser, batch, R and T as FedOTP
-    (the code's PromptFL configs, lr 0.002 cosine for 200 epochs after a warm-up epoch at 1e-5, are not used); clients are sampled from round 1
-    (``round0_all`` false, as the code's baselines; true trains all clients in round 1 as FedOTP does); image tokens
-    cached from the deterministic transform (clip_prompt.py)."""
+    (the code's PromptFL configs, lr 0.002 cosine for 200 epochs after a warm-up epoch at 1e-5, are not used);
+    clients are sampled from round 1 (``round0_all`` false, as the code's baselines; true trains all clients in
+    round 1 as FedOTP does); image tokens cached from the deterministic transform (clip_prompt.py)."""
 
     name = "promptfl"
