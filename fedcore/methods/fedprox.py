@@ -53,6 +53,10 @@ class FedProx(WholeModelMethod):
     * It enters the loss, so the experiment's optimiser (momentum, weight decay) acts on CE's gradient +
       μ(w − w_g), as FedProx's inexact local solver; the logged train loss includes it.
     * Every client uploads after its E epochs (no stragglers, no partial work γ-inexactness).
+    * Fling (FLAIR-Community/Fling ``fedprox_client.py``, the FedPFT authors' framework) adds μ·Σ_k ‖w_k − w_g,k‖₂
+      instead: per-tensor L2 norms, not squared, not halved (``torch_utils.get_model_difference``), so its pull
+      has length μ per tensor whatever the distance. We keep the FedProx paper's (μ/2)·‖w − w_g‖²
+      (tests/test_official_fling.py asserts the one-step difference). PFLlib's optimiser matches ours.
     """
 
     name = "fedprox"
