@@ -120,7 +120,7 @@ def make_checkouts(into: Path, mirror: Path | None = None) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """Make the checkouts and print one ``export VAR=path`` line per repository (for ``eval``)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description="Make checkouts of the official code at the pinned commits.")
     ap.add_argument("--into", type=Path, required=True, help="folder for the checkouts (made if missing)")
     ap.add_argument("--mirror", type=Path, help="a folder of local clones (<owner>+<name>/repo or <owner>/<name>) "
                     "to use instead of cloning from GitHub")
