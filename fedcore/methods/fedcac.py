@@ -156,10 +156,14 @@ class FedCAC(WholeModelMethod):
     * Only parameters are mixed, averaged and uploaded: BatchNorm running statistics stay each client's own
       after the common start (the official sync replaces ``named_parameters`` only).
     * The threshold's t counts aggregations from 1 (Fling: ``(epoch + 1) / beta`` with epoch 0 at the first).
+      PFLlib's ``servercac`` uses the same t from its second aggregation on, but builds no customised model at
+      its first (``send_models`` skips ``epoch`` 0), so its round 2 starts every client's critical parameters
+      from the initial model (``customized_model`` as constructed); ours (and Fling's) from the customised one.
     * The global model is weighted by sample count (Fling's ``fed_avg``), the customised ones are plain means.
     * With partial participation a client keeps its last upload and critical set at the server (Fling re-uses
-      every client's current model); a client that never trained starts from the global model. FedPFT runs
-      FedCAC at full participation, where both agree.
+      every client's current model; PFLlib only the round's clients: overlaps and customised models among them,
+      every other client keeps its last mask and customised model); a client that never trained starts from the
+      global model. FedPFT runs FedCAC at full participation, where all agree.
     """
 
     name = "fedcac"

@@ -119,6 +119,10 @@ class PerFedAvg(PromptMethod):
       the experiment's optimiser (momentum, weight decay), so the outer update is exactly FedVPT's step
       taken at the adapted point; the inner and evaluation steps are plain SGD, as in MAML.
     * The reported train loss is the meta-objective f(w'; D') (loss at the adapted point).
+    * E epochs of meta-steps a round (the paper's τ local steps). PFLlib's server calls each client's ``train()``
+      twice a round (``serverperavg.py:35-36``): 2E epochs there. Its evaluation adapts on one batch of B samples
+      (``load_train_data(self.batch_size)``, half its 2B training draw); ours on one batch of the experiment's
+      size. Otherwise equal to PFLlib's ``clientperavg``/``serverperavg`` (``tests/test_official_pfllib.py``).
     * Prompt length 1 at block 0 (SGPT spec 7.15) rather than the paper's full-model setting.
     """
 
