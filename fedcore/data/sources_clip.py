@@ -11,6 +11,9 @@ CoOp's cat_to_name.json (torchvision's list with its two differences undone, FLO
 in the file name.
 
 Images are stored as CLIP's test transform sees them: shorter side resized to 224 (bicubic), centre crop 224.
+Two rounding details differ from torchvision's Resize + CenterCrop (the official code's): the long side is rounded,
+not truncated, and the crop offset is floored, not rounded half to even, so for some aspect ratios the stored image
+is a one-pixel different resize or crop (DEVIATIONS.md, FedOTP's CLIP backbone; tests/test_official_data.py).
 """
 from __future__ import annotations
 

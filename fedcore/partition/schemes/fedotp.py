@@ -185,7 +185,11 @@ def domain_dirichlet(alpha: float, min_size: int, k: int, train_y: np.ndarray, t
     pools alike, with the code's balance mask (``Dataset_partition_office``: a client already holding at least
     its share N_train / k of the domain's train samples gets no more); a domain is redrawn until each of its
     clients has >= min_size train and test samples (the code's seed reset inside that loop would redraw the same
-    split forever, official_code.md B4). Client order = domain order, then client within the domain."""
+    split forever, official_code.md B4). Client order = domain order, then client within the domain.
+
+    The cuts are ``cumulative_cut``'s, which re-normalises the (already normalised) shares before the cumulative
+    sum: where cumsum(p) x pool size lies within float rounding of an integer, a cut can land one sample off
+    the code's ``(np.cumsum(p) * n).astype(int)`` (DEVIATIONS.md, FedOTP data; tests/test_official_data.py)."""
     train, test = [], []
     for d in np.unique(train_domain):
         share = np.count_nonzero(train_domain == d) / k
