@@ -36,10 +36,10 @@ class OfficialRepo:
 
 OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
     OfficialRepo("FEDPROMPT_SGPT_OFFICIAL", "ubc-tea/SGPT", "213c95b5435b6ad139f4ee2f6e09fa65c7c0689e",
-                 checks=("test_official_sgpt.py", "test_official_partitions.py")),
+                 checks=("test_official_sgpt.py", "test_official_partitions.py", "test_official_data.py")),
     OfficialRepo("FEDPROMPT_FEDOTP_OFFICIAL", "HongxiaLee/FedOTP", "9948611a2325adc5543e9185cf0aa92ff84a2936",
                  checks=("test_official_fedotp.py", "test_official_fedotp_baselines.py",
-                         "test_official_partitions.py")),
+                         "test_official_partitions.py", "test_official_data.py")),
     # PFLlib's and HtFLlib's whole archives reference data blobs that are not always at hand; the code suffices
     OfficialRepo("FEDPROMPT_PFLLIB", "TsingZ0/PFLlib", "d832e76f6a23b833038949ec1e4fdefe63a4d350",
                  paths=("system/flcore", "system/utils"), checks=("test_official_pfllib.py",)),
@@ -54,7 +54,7 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
     OfficialRepo("FEDPROMPT_PFEDGATE_OFFICIAL", "yxdyc/pFedGate", "b8cfa156acdb08207d33641a355959503ca1db78",
                  checks=("test_official_pfedgate.py",)),
     OfficialRepo("FEDPROMPT_FLING_OFFICIAL", "FLAIR-Community/Fling", "faebd06575adc9531d79fea60321777bad6d5f65",
-                 checks=("test_official_fling.py", "test_official_partitions.py")),
+                 checks=("test_official_fling.py", "test_official_partitions.py", "test_official_data.py")),
 )
 
 
