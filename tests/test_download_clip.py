@@ -89,6 +89,22 @@ def test_clip_view_is_shorter_side_then_centre_crop(tmp_path):
     assert load_clip_image(p, 16).shape == (16, 16, 3)
 
 
+@pytest.mark.parametrize("w, h", [(500, 375), (375, 500), (333, 500), (301, 227), (224, 224), (250, 250)])
+def test_clip_view_has_torchvision_resize_and_centre_crop_geometry(tmp_path, w, h):
+    """The official code's test view (Dassl: torchvision Resize(224, bicubic) + CenterCrop(224) on the PIL image),
+    pixel for pixel: torchvision truncates the long side and rounds the crop offset (500 x 375 -> 298, not 299)."""
+    from torchvision import transforms
+
+    rgb = np.random.default_rng(w * h).integers(0, 256, (h, w, 3), dtype=np.uint8)  # noise: a shifted crop shows
+    p = tmp_path / "a.png"
+    Image.fromarray(rgb).save(p)
+    view = transforms.Compose([transforms.Resize(224, interpolation=transforms.InterpolationMode.BICUBIC),
+                               transforms.CenterCrop(224)])
+    with Image.open(p) as im:
+        theirs = np.asarray(view(im.convert("RGB")), np.uint8)
+    assert np.array_equal(load_clip_image(p), theirs)
+
+
 def test_dtd_and_caltech101_folders_through_http(tmp_path, server):
     base, www = server
     dtd = {f"dtd/images/{c}/{c}_{i:04d}.jpg": _jpg(10 * k + i) for k, c in enumerate(["banded", "zigzagged"])

@@ -10,10 +10,8 @@ has CoOp's sizes (Table A1, tested) but not its images. Class names are CoOp's: 
 CoOp's cat_to_name.json (torchvision's list with its two differences undone, FLOWERS_COOP_NAMES); OxfordPets the breed
 in the file name.
 
-Images are stored as CLIP's test transform sees them: shorter side resized to 224 (bicubic), centre crop 224.
-Two rounding details differ from torchvision's Resize + CenterCrop (the official code's): the long side is rounded,
-not truncated, and the crop offset is floored, not rounded half to even, so for some aspect ratios the stored image
-is a one-pixel different resize or crop (DEVIATIONS.md, FedOTP's CLIP backbone; tests/test_official_data.py).
+Images are stored as CLIP's test transform sees them: shorter side resized to 224 (bicubic), centre crop 224, with
+torchvision's Resize + CenterCrop geometry (the official code's; tests/test_official_data.py).
 """
 from __future__ import annotations
 
@@ -42,14 +40,15 @@ SPLIT_FILES = {"caltech101": "split_zhou_Caltech101.json", "flowers102": "split_
 
 
 def load_clip_image(path: Path, size: int = CLIP_SIZE) -> np.ndarray:
-    """RGB uint8 (size, size, 3): shorter side resized to `size` (bicubic), then a centre crop (CLIP's test view)."""
+    """RGB uint8 (size, size, 3): shorter side resized to `size` (bicubic), then a centre crop (CLIP's test view),
+    with torchvision's Resize(size) + CenterCrop(size) geometry to the pixel (the official code's transform)."""
     with Image.open(path) as im:
         im = im.convert("RGB")
         w, h = im.size
-        scale = size / min(w, h)
-        im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
+        long = int(size * max(w, h) / min(w, h))  # torchvision truncates the long side
+        im = im.resize((size, long) if w <= h else (long, size), Image.BICUBIC)
         w, h = im.size
-        left, top = (w - size) // 2, (h - size) // 2
+        left, top = int(round((w - size) / 2.0)), int(round((h - size) / 2.0))  # and rounds the offset half-even
         return np.asarray(im.crop((left, top, left + size, top + size)), np.uint8)
 
 
