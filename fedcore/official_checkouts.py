@@ -55,6 +55,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_pfedgate.py",)),
     OfficialRepo("FEDPROMPT_FLING_OFFICIAL", "FLAIR-Community/Fling", "faebd06575adc9531d79fea60321777bad6d5f65",
                  checks=("test_official_fling.py", "test_official_partitions.py", "test_official_data.py")),
+    OfficialRepo("FEDPROMPT_VPT_OFFICIAL", "KMnP/vpt", "4410440ec1b489f24f66b9fad3d9b10ff3443567",
+                 checks=("test_official_vpt.py",)),
 )
 
 

@@ -3,7 +3,9 @@
 Nothing of that repository is copied here: its ``models/vit_models_pr.py`` (``VisionTransformer_m``) and its
 ``utils.py`` (the local update ``train_local_twostage``, the server's ``group_ratio_func`` and
 ``aggregation_func``) are imported at run time from the checkout a caller names. Used by
-``benchmarks/bench_sgpt_official.py`` (speed) and ``tests/test_official_sgpt.py`` (numerical equivalence).
+``benchmarks/bench_sgpt_official.py`` (speed) and ``tests/test_official_sgpt.py`` (numerical equivalence). SGPT's
+ViT is the VPT code's (github.com/KMnP/vpt), so ``tests/test_official_vpt.py`` maps our ViT onto VPT's with
+``official_backbone_state`` and reads its configs through ``AttrDict`` and ``mini_config``.
 
 The checkout's top-level module names are generic (``models``, ``utils``, ``datasets``, ``constants``), so they
 are imported with the checkout first on ``sys.path`` and removed from ``sys.modules`` afterwards: another
@@ -98,19 +100,17 @@ def official_model(vmp: types.ModuleType, config: Any, side: int, classes: int, 
     return model
 
 
-def official_state(model: nn.Module) -> dict[str, Tensor]:
-    """Our SGPTModel's tensors under the official VisionTransformer_m's names and shapes (a full state dict).
+def official_backbone_state(vit: nn.Module, prefix: str = "transformer.") -> dict[str, Tensor]:
+    """Our frozen ViT's tensors (timm layout) under the official ViT's names (the VPT code's ``Transformer``, which
+    SGPT's ``VisionTransformer_m`` and VPT's ``PromptedTransformer`` share), each name under ``prefix``.
 
-    Backbone (timm layout -> the official ViT): patch_embed.proj -> embeddings.patch_embeddings, cls_token ->
-    embeddings.cls_token, pos_embed -> embeddings.position_embeddings, blocks.i.norm1 / norm2 ->
-    encoder.layer.i.attention_norm / ffn_norm, the fused attn.qkv (rows q, k, v) -> attn.query / key / value,
-    attn.proj -> attn.out, mlp.fc1 / fc2 -> ffn.fc1 / fc2, norm -> encoder.encoder_norm. SGPT's tensors: shared.j
-    (n, D) -> prompt_common.j (1, n, D); group.j (G, D) -> prompt_embeddings.j.g (1, 1, D) for each group g;
-    keys -> prompt_keys; head -> head.
+    patch_embed.proj -> embeddings.patch_embeddings, cls_token -> embeddings.cls_token, pos_embed ->
+    embeddings.position_embeddings, blocks.i.norm1 / norm2 -> encoder.layer.i.attention_norm / ffn_norm, the fused
+    attn.qkv (rows q, k, v) -> attn.query / key / value, attn.proj -> attn.out, mlp.fc1 / fc2 -> ffn.fc1 / fc2,
+    norm -> encoder.encoder_norm.
     """
-    vit = model.backbone.vit
     out: dict[str, Tensor] = {}
-    emb, enc = "transformer.embeddings.", "transformer.encoder."
+    emb, enc = prefix + "embeddings.", prefix + "encoder."
     out[emb + "patch_embeddings.weight"] = vit.patch_embed.proj.weight
     out[emb + "patch_embeddings.bias"] = vit.patch_embed.proj.bias
     out[emb + "cls_token"] = vit.cls_token
@@ -123,6 +123,17 @@ def official_state(model: nn.Module) -> dict[str, Tensor]:
         for part, w, b in zip(("query", "key", "value"), blk.attn.qkv.weight.chunk(3), blk.attn.qkv.bias.chunk(3)):
             out[f"{pre}attn.{part}.weight"], out[f"{pre}attn.{part}.bias"] = w, b
     out[enc + "encoder_norm.weight"], out[enc + "encoder_norm.bias"] = vit.norm.weight, vit.norm.bias
+    return {k: v.detach().clone() for k, v in out.items()}
+
+
+def official_state(model: nn.Module) -> dict[str, Tensor]:
+    """Our SGPTModel's tensors under the official VisionTransformer_m's names and shapes (a full state dict).
+
+    Backbone: ``official_backbone_state`` under ``transformer.``. SGPT's tensors: shared.j (n, D) ->
+    prompt_common.j (1, n, D); group.j (G, D) -> prompt_embeddings.j.g (1, 1, D) for each group g; keys ->
+    prompt_keys; head -> head.
+    """
+    out = official_backbone_state(model.backbone.vit)
     for j, p in enumerate(model.shared):
         out[f"prompt_common.{j}"] = p.unsqueeze(0)
     for j, table in enumerate(model.group):
@@ -133,5 +144,5 @@ def official_state(model: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in out.items()}
 
 
-__all__ = ["AttrDict", "mini_config", "official_args", "official_model", "official_module", "official_state",
-           "official_utils"]
+__all__ = ["AttrDict", "mini_config", "official_args", "official_backbone_state", "official_model", "official_module",
+           "official_state", "official_utils"]

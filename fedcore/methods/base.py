@@ -94,7 +94,12 @@ class BatchableClient(Client):
 
 class VPTMethod(PromptMethod):
     """FedVPT's recipe (shallow or deep prompts of length ``num_prompts`` + head, FedAvg, clients trained
-    together); prompt length 1 by default, SGPT spec 7.15, to match SGPT's prompt budget."""
+    together); prompt length 1 by default, SGPT spec 7.15, to match SGPT's prompt budget.
+
+    The prompted ViT equals the VPT code's (KMnP/vpt, ``tests/test_official_vpt.py``). Kept from SGPT's recipe where
+    the VPT code differs (DEVIATIONS.md, FedVPT / FedVPT-D): its default prompt length is 5; its head is an ``MLP``
+    with kaiming-normal weights and bias -log(99) (ours: PyTorch's default ``Linear``); its SGD does not decay the
+    head bias (ours decays every trained tensor)."""
 
     defaults = {"num_prompts": 1}
     param_rules = {"num_prompts": Int(1)}
