@@ -57,6 +57,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_fling.py", "test_official_partitions.py", "test_official_data.py")),
     OfficialRepo("FEDPROMPT_VPT_OFFICIAL", "KMnP/vpt", "4410440ec1b489f24f66b9fad3d9b10ff3443567",
                  checks=("test_official_vpt.py",)),
+    OfficialRepo("FEDPROMPT_FEDBN_OFFICIAL", "med-air/FedBN", "2fa38adf627a8c8ba71c5fb515b1f2ba00aa8812",
+                 checks=("test_official_fedbn.py",)),
 )
 
 

@@ -48,6 +48,10 @@ class FedBN(WholeModelMethod):
     (the FedPFT authors' framework: every key of the ``bn`` and ``downsample.1`` BatchNorm layers kept local)
     agree. We find BatchNorm layers by type, not by name. PFLlib's FedBN differs: it keeps local only parameters
     named ``bn`` (averaging ``downsample.1``'s weight and bias) and sends no buffers (tests/test_official_pfllib.py).
+    The original code (med-air/FedBN, tests/test_official_fedbn.py) keeps local every state key whose name contains
+    ``bn`` (``fed_digits.py:169``): on its own DigitModel and AlexNet exactly every BatchNorm, as ours, but on a ResNet
+    it would average ``downsample.1`` (all five keys); and its scripts average with weights 1/K (``fed_digits.py:247``)
+    over clients truncated to equal size, where 1/K = our n_k/n (FedPFT's baselines are "based on FedAvg").
     FedBN has no hyperparameter of its own. A client never sampled keeps the initial BatchNorm layers.
     """
 
