@@ -57,6 +57,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_fling.py", "test_official_partitions.py", "test_official_data.py")),
     OfficialRepo("FEDPROMPT_VPT_OFFICIAL", "KMnP/vpt", "4410440ec1b489f24f66b9fad3d9b10ff3443567",
                  checks=("test_official_vpt.py",)),
+    OfficialRepo("FEDPROMPT_FEDPROTO_OFFICIAL", "yuetan031/FedProto", "97e42e2741e1ae2e2fce2465e80f38f6997f8836",
+                 checks=("test_official_fedproto.py",)),
 )
 
 
