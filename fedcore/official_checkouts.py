@@ -59,6 +59,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_vpt.py",)),
     OfficialRepo("FEDPROMPT_FEDBN_OFFICIAL", "med-air/FedBN", "2fa38adf627a8c8ba71c5fb515b1f2ba00aa8812",
                  checks=("test_official_fedbn.py",)),
+    OfficialRepo("FEDPROMPT_FEDPROTO_OFFICIAL", "yuetan031/FedProto", "97e42e2741e1ae2e2fce2465e80f38f6997f8836",
+                 checks=("test_official_fedproto.py",)),
 )
 
 

@@ -89,10 +89,11 @@ class FedProto(PrototypeMethod):
     Trained: each client's entire model (its own architecture, ``init: random`` by default: FedHPL spec §8.15;
     BatchNorm in train mode), projected to ``common_dim`` (HtFLlib's ``feature_dim`` 512 at paper scale) so that
     all prototypes share one width, then a linear head. Loss per batch: CE(head(f), y) + λ · MSE(f, P̄_y) with
-    f the projected feature, P̄ the global prototypes, λ = ``lam`` = 10 (HtFLlib's pre-tuned value), the MSE a
-    mean over batch x width; a sample of a class without a global prototype adds no MSE (round 1: CE only).
+    f the projected feature, P̄ the global prototypes, λ = ``lam`` = 10 (HtFLlib's pre-tuned value; FedProto's
+    code defaults ``--ld`` to 1), the MSE a mean over batch x width; a sample of a class without a global
+    prototype adds no MSE (round 1: CE only).
     The experiment's optimiser (FedHPL §2: SGD with momentum 0.9 and weight decay), fresh each round (HtFLlib:
-    a fresh plain SGD at the same lr).
+    a fresh plain SGD at the same lr; FedProto's code: a fresh SGD with momentum 0.5).
     Uploaded: per class present locally its label and the mean of the features computed while training (every
     batch of every local epoch, detached, train mode), as HtFLlib collects them (FedProto's official code
     restarts its lists every local epoch and so keeps the last epoch's: the same at E = 1); with
@@ -103,7 +104,11 @@ class FedProto(PrototypeMethod):
     round's uploads replace the global prototypes; a class nobody uploaded has none.
     Evaluation (FedHPL spec §3.3, personalised): each client's own model on the full test set, predicting the
     nearest global prototype of its feature (squared Euclidean; HtFLlib's test), or with ``predict: head``
-    its head.
+    its head. FedProto's code tests each client on a test split of its own classes only and scores only those
+    classes' prototypes (``lib/update.py`` ``test_inference_new_het_lt``; FedHPL App. C.3 names this split as why
+    its FedProto numbers differ from the paper's), and the accuracies it prints accumulate over the clients.
+    The prototype is the feature the head reads (HtFLlib's); FedProto's code takes its CNNs' ReLU'd ``fc1``
+    output (dropout follows) and its CIFAR ResNet18's unpooled layer-4 map.
     ResNet50's 2048 features reach the common width through our Linear (``common_dim``); HtFLlib's models use
     a parameter-free ``AdaptiveAvgPool1d`` for every client. Table 7's FedProto row (1 M more on each client)
     matches neither.
