@@ -61,6 +61,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_fedbn.py",)),
     OfficialRepo("FEDPROMPT_FEDPROTO_OFFICIAL", "yuetan031/FedProto", "97e42e2741e1ae2e2fce2465e80f38f6997f8836",
                  checks=("test_official_fedproto.py",)),
+    OfficialRepo("FEDPROMPT_FEDBABU_OFFICIAL", "jhoon-oh/FedBABU", "e34c15b4288224f0af1bc13670bc0cdc373c9576",
+                 checks=("test_official_fedbabu.py",)),
 )
 
 

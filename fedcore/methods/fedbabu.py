@@ -85,6 +85,13 @@ class FedBABU(WholeModelMethod):
       evaluated round; ``finetune_epochs: 0`` scores the body with the fixed head.
     * The head is the linear layer with a bias that every entire-model method here uses: weight and bias are
       frozen during federation and both fine-tuned at evaluation.
+
+    Where the authors' code (jhoon-oh/FedBABU ``main_fed.py``, ``analysis.ipynb``) differs, ours is kept (checked
+    in tests/test_official_fedbabu.py): its server averages the bodies with equal weights (ours by sample count,
+    as FedAvg; equal for their equal-size shards); its script decays the lr x0.1 at rounds R/2 and 3R/4 (ours: the
+    experiment's lr, constant); its clients upload the untouched head too, dropped at the broadcast; and its
+    personalisation fine-tunes once, the round with the best test accuracy, with its own recipe (5 epochs, lr
+    1e-3 where training used 0.1, momentum, no weight decay), where ours uses the experiment's optimiser.
     """
 
     name = "fedbabu"
