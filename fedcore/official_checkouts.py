@@ -57,6 +57,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_fling.py", "test_official_partitions.py", "test_official_data.py")),
     OfficialRepo("FEDPROMPT_VPT_OFFICIAL", "KMnP/vpt", "4410440ec1b489f24f66b9fad3d9b10ff3443567",
                  checks=("test_official_vpt.py",)),
+    OfficialRepo("FEDPROMPT_FEDREP_OFFICIAL", "lgcollins/FedRep", "d82e62982e107bb3322541604f059c0ff28bd289",
+                 checks=("test_official_fedrep.py",)),
 )
 
 
