@@ -63,6 +63,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_fedproto.py",)),
     OfficialRepo("FEDPROMPT_FEDBABU_OFFICIAL", "jhoon-oh/FedBABU", "e34c15b4288224f0af1bc13670bc0cdc373c9576",
                  checks=("test_official_fedbabu.py",)),
+    OfficialRepo("FEDPROMPT_FEDREP_OFFICIAL", "lgcollins/FedRep", "d82e62982e107bb3322541604f059c0ff28bd289",
+                 checks=("test_official_fedrep.py",)),
 )
 
 

@@ -75,8 +75,17 @@ class FedRep(PromptsOrBackbone):
     * The representation is the frozen ViT's VPT-shallow prompts (length 1 at block 0, SGPT spec 7.15),
       not a trained CNN body; the head is the linear classifier on the final-norm CLS token.
     * The frozen part of each phase gets no gradient at all (requires_grad off), so the head phase runs
-      the backbone forward only; the optimiser is the experiment's (FedRep used SGD, momentum 0.5).
-    * A client never sampled keeps the initial head (as in FedRep's code), so it scores about chance; every
+      the backbone forward only; the optimiser is the experiment's (FedRep's code: SGD, momentum 0.5, weight decay
+      1e-4 on all but biases; ours decays every trained tensor).
+    * The representation is averaged by sample count; FedRep's code weighs its CIFAR/MNIST clients equally
+      (``lens = np.ones``, equal shards there) and its LEAF clients by sample count.
+    * No final round: FedRep's code ends with one more round in which every client fine-tunes its head alone
+      for max(10, E - 1) epochs before the last evaluation (``main_fedrep.py``: ``last``); equal to ours with
+      ``head_epochs: 10, body_epochs: 0`` run once more (checked, tests/test_official_fedrep.py).
+    * A client never sampled keeps its initial head (its own, as the paper's personal heads), so it scores
+      about chance. FedRep's code differs: a client not yet trained holds references to the global model's
+      tensors (``w_locals``, main_fedrep.py:111-115), which the server's average of every key, heads included,
+      overwrites in place, so it holds the mean of the last round's trained heads. Every
       client is evaluated each evaluated round (SGPT spec 3.5), sampled or not.
     * ``representation: backbone``: FedHPL (B.3) trains the head for 10 epochs ("the last local epoch of
       FedRep we train 10 local epochs"): set ``head_epochs: 10, body_epochs: 1``. In the head phase the
