@@ -126,7 +126,8 @@ class FedTGP(PrototypeMethod):
     of one architecture may train together (the update is the default one).
     Uploaded: per class present locally its label and the mean feature of one extra pass over the local data
     after training (eval mode, no gradient; HtFLlib's ``collect_protos``, which there reads the model saved before
-    the round's update: its uploads lag a round, ours do not; DEVIATIONS.md). No model tensor leaves a client.
+    the round's update: its uploads lag a round, ours do not; the FedTGP authors' own repository has the same
+    client file; DEVIATIONS.md). No model tensor leaves a client.
     Server: G_p = class embedding (C x D) -> Linear(D, D) -> ReLU -> Linear(D, D), D = the common width (HtFLlib;
     Table 9's 0.506 M / 0.550 M at D = 512 with 10 / 100 classes). Each round, margin δ = min(max_c min_{c'≠c}
     ‖Q̄_c - Q̄_c'‖, τ) with Q̄ the per-class mean of the round's uploads over the clients that have the class and
