@@ -57,6 +57,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_fling.py", "test_official_partitions.py", "test_official_data.py")),
     OfficialRepo("FEDPROMPT_VPT_OFFICIAL", "KMnP/vpt", "4410440ec1b489f24f66b9fad3d9b10ff3443567",
                  checks=("test_official_vpt.py",)),
+    OfficialRepo("FEDPROMPT_FEDGEN_OFFICIAL", "zhuangdizhu/FedGen", "dd5807c5625404e99035d97e2ef8c712c2e007a6",
+                 checks=("test_official_fedgen.py",)),
 )
 
 
