@@ -65,6 +65,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_fedbabu.py",)),
     OfficialRepo("FEDPROMPT_FEDREP_OFFICIAL", "lgcollins/FedRep", "d82e62982e107bb3322541604f059c0ff28bd289",
                  checks=("test_official_fedrep.py",)),
+    OfficialRepo("FEDPROMPT_FEDGEN_OFFICIAL", "zhuangdizhu/FedGen", "dd5807c5625404e99035d97e2ef8c712c2e007a6",
+                 checks=("test_official_fedgen.py",)),
 )
 
 

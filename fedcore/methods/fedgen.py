@@ -43,6 +43,12 @@ Choices where the paper (and FedHPL) is silent, recorded in DEVIATIONS.md (FedHP
   label counts (HtFLlib) and add no diversity loss.
 * G's Adam state persists across rounds (FedGen's server and PFLlib keep one optimiser); HtFLlib makes a fresh
   one each round (``keep_generator_optimizer: false``).
+* FedGen's code also (tests/test_official_fedgen.py): its teacher loss is Σ_k mean_b(w_{k,y_b})·mean_b CE_k (a
+  (B,) x (B, 1) broadcast), w from label counts that start at 1 and count every local epoch; its clients draw ŷ
+  uniformly over the labels present and add β_t·KL(softmax(h(G(z, y))) ‖ p(x)) on the batch's own labels, α_t and
+  β_t = max(1e-4, ·0.98^t); G's Adam has weight decay 1e-2 and its lr decays 0.98 a round, the clients' lr 0.99 a
+  round; it averages, sends and scores the whole model (parameters; BatchNorm statistics stay with each client).
+  We keep the libraries' G optimiser (no weight decay, constant lr: HtFLlib, PFLlib's default) and constant lrs.
 * The server draws its labels from the round's uploaders only (every drawn label has a teacher); the clients
   draw from every client's counts known to the server.
 * ``generator_batch_size`` 16 for the server's steps and the client's regulariser (HtFLlib: the local batch
