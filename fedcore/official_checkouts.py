@@ -65,6 +65,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_fedbabu.py",)),
     OfficialRepo("FEDPROMPT_FEDREP_OFFICIAL", "lgcollins/FedRep", "d82e62982e107bb3322541604f059c0ff28bd289",
                  checks=("test_official_fedrep.py",)),
+    OfficialRepo("FEDPROMPT_FEDGH_OFFICIAL", "LipingYi/FedGH", "ff50ac0caaf96e80e16334ba250be6168765d7a1",
+                 checks=("test_official_fedgh.py",)),
 )
 
 
