@@ -67,6 +67,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_fedrep.py",)),
     OfficialRepo("FEDPROMPT_FEDGEN_OFFICIAL", "zhuangdizhu/FedGen", "dd5807c5625404e99035d97e2ef8c712c2e007a6",
                  checks=("test_official_fedgen.py",)),
+    OfficialRepo("FEDPROMPT_FEDGH_OFFICIAL", "LipingYi/FedGH", "ff50ac0caaf96e80e16334ba250be6168765d7a1",
+                 checks=("test_official_fedgh.py",)),
 )
 
 

@@ -29,6 +29,13 @@ Choices where the paper (and FedHPL) is silent, recorded in DEVIATIONS.md (FedHP
   float64 and sent in float32.
 * The alignment layer is our ``common_dim`` Linear (identity on ResNet18/34 at 512, 2048 -> 512 on ResNet50);
   HtFLlib uses a parameter-free ``AdaptiveAvgPool1d`` there. Table 7's FedGH rows match neither.
+
+The authors' code (LipingYi/FedGH ``FedGH_mh.py``, tests/test_official_fedgh.py) differs, and ours keeps the paper's
+steps (Fig. 1) and HtFLlib's: its server steps the clients' optimiser, never the header's, so its global header
+stays the random init (FedGH_mh.py:269-271), ours trains H_g; it uploads per class the mean of per-batch class means
+(ours: over all samples); its first round trains each client behind its own initial head (ours: H_g); it scores the
+locally trained head before the server step (ours: H_g); it clips gradient norms at 50 (ours: no clip). Ours follows
+it, not HtFLlib, on the client optimiser (momentum and weight decay) and shuffled loaders that keep the last batch.
 """
 from __future__ import annotations
 
