@@ -65,6 +65,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_fedbabu.py",)),
     OfficialRepo("FEDPROMPT_FEDREP_OFFICIAL", "lgcollins/FedRep", "d82e62982e107bb3322541604f059c0ff28bd289",
                  checks=("test_official_fedrep.py",)),
+    OfficialRepo("FEDPROMPT_PFEDSD_OFFICIAL", "CGCL-codes/pFedSD", "8eba09648e2ce9fd1298101bd8d21c0df248dca9",
+                 checks=("test_official_pfedsd.py",)),
 )
 
 
