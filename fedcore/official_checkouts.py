@@ -69,6 +69,8 @@ OFFICIAL_REPOS: tuple[OfficialRepo, ...] = (
                  checks=("test_official_fedgen.py",)),
     OfficialRepo("FEDPROMPT_FEDGH_OFFICIAL", "LipingYi/FedGH", "ff50ac0caaf96e80e16334ba250be6168765d7a1",
                  checks=("test_official_fedgh.py",)),
+    OfficialRepo("FEDPROMPT_PFEDSD_OFFICIAL", "CGCL-codes/pFedSD", "8eba09648e2ce9fd1298101bd8d21c0df248dca9",
+                 checks=("test_official_pfedsd.py",)),
 )
 
 

@@ -94,6 +94,11 @@ class PFedSD(WholeModelMethod):
     where the papers are silent: the teacher runs in train mode (BatchNorm normalises by batch statistics), as
     in the official worker and Fling (a copy of the model in train mode); its own statistics updates are
     discarded. The optimiser is the experiment's, fresh each round.
+
+    Where the original code (CGCL-codes/pFedSD, tests/test_official_pfedsd.py) differs, ours follows Fling and
+    FedAvg: its server averages the parameters only, 1/|S_t| (master_pFedSD.py:187-195; BatchNorm statistics sent
+    stay the initial ones), ours every state key by sample count; it scores a client not yet trained with the
+    initial model (round 1), ours with the global model; its defaults are λ = 1, T = 1 (parameters.py:249, 251).
     """
 
     name = "pfedsd"
