@@ -56,7 +56,7 @@ from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import FitResult, Method, RoundInfo, module_state
 from fedcore.methods.fedbn import FedBN, batchnorm_keys
 from fedcore.official_code import checkout_on_path
-from test_official_pfllib import _close
+from official_support import assert_state_close as _close
 
 ENV = "FEDPROMPT_FEDBN_OFFICIAL"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of the "

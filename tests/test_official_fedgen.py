@@ -49,7 +49,7 @@ from fedcore.engine.sampling import stream_seed
 from fedcore.methods import fedgen
 from fedcore.methods.fedgen import FedGen, Generator, ensemble_logits, generator_loss, sample_labels, teacher_weights
 from fedcore.official_code import checkout_on_path, standin_modules
-from test_official_pfllib import _close
+from official_support import assert_state_close as _close
 
 ENV = "FEDPROMPT_FEDGEN_OFFICIAL"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of FedGen "

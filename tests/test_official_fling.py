@@ -51,7 +51,7 @@ from fedcore.methods.fedrod import COUNTS, FedRoD
 from fedcore.methods.pfedsd import PFedSD
 from fedcore.methods.scaffold import Scaffold
 from fedcore.official_code import checkout_on_path, standin_modules
-from test_official_pfllib import _close
+from official_support import assert_state_close as _close
 
 ENV = "FEDPROMPT_FLING_OFFICIAL"
 pytestmark = [pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of Fling "

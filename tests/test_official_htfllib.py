@@ -54,7 +54,8 @@ from fedcore.methods.fedgen import FedGen, sample_labels
 from fedcore.methods.fedgh import FedGH
 from fedcore.methods.fedproto import FedProto
 from fedcore.methods.fedtgp import FedTGP
-from test_official_pfllib import MetricsStandIn, _close, _pfllib_on_path
+from official_support import assert_state_close as _close
+from test_official_pfllib import MetricsStandIn, _pfllib_on_path
 
 ENV = "FEDPROMPT_HTFLLIB"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of HtFLlib "

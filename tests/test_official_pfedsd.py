@@ -71,7 +71,7 @@ from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import FitResult, Method, RoundInfo, module_state
 from fedcore.methods.pfedsd import PFedSD
 from fedcore.official_code import checkout_on_path, standin_modules
-from test_official_pfllib import _close
+from official_support import assert_state_close as _close
 
 ENV = "FEDPROMPT_PFEDSD_OFFICIAL"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of the "

@@ -61,12 +61,13 @@ from fedcore.methods.fedrod import COUNTS, FedRoD
 from fedcore.methods.per_fedavg import PerFedAvg
 from fedcore.methods.scaffold import Scaffold
 from fedcore.official_code import checkout_on_path
+from official_support import ATOL, RTOL
+from official_support import assert_state_close as _close
 
 ENV = "FEDPROMPT_PFLLIB"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of PFLlib "
                                 "(github.com/TsingZ0/PFLlib) to compare our baselines against")
 
-RTOL, ATOL = 1e-5, 1e-6  # fp32; ATOL covers entries near 0, which carry only rounding
 ARCH, CLASSES, BATCH, SIZE, LR, EPOCHS = "resnet8_pft_mini", 5, 8, 32, 0.05, 2
 SGD = {"name": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0}  # PFLlib's client optimiser (plain SGD)
 THEIR_PACKAGES = ("flcore", "utils", "sklearn", "h5py")
@@ -235,19 +236,6 @@ def _named(model: nn.Module, buffers: bool = False) -> dict[str, Tensor]:
 def _named_key(key: str) -> str:
     """Our name of one of their state keys."""
     return "net." + key[5:] if key.startswith("base.") else key
-
-
-def _close(ours: dict[str, Tensor], theirs: dict[str, Tensor], what: str, keys: list[str] | None = None) -> None:
-    """Every named tensor equal to fp32 tolerance; prints the largest absolute and relative difference."""
-    keys = list(ours) if keys is None else keys
-    worst_abs = worst_rel = 0.0
-    for k in keys:
-        a, b = ours[k].detach().double(), theirs[k].detach().double()
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{what}, {k}: {m}")
-        diff = (a - b).abs()
-        worst_abs = max(worst_abs, float(diff.max()))
-        worst_rel = max(worst_rel, float((diff / b.abs().clamp_min(1e-3)).max()))
-    print(f"{what}: {len(keys)} tensors, max abs diff {worst_abs:.2e}, max rel diff {worst_rel:.2e}")
 
 
 def _adopt(model: nn.Module, ours: dict[str, Tensor], body_only: bool = False) -> None:
