@@ -142,7 +142,11 @@ class PFedPT(Method):
     trained whole with its BatchNorm statistics (which go up with it) and a linear head on its pooled feature. In
     stage 1 the frozen backbone stays in train mode (its BatchNorm statistics keep moving, as the official
     client trains the prompt with the model in train mode). Everything else is as above. ``pad_width`` must leave
-    an image inside the experiment's input (checked when the method is built, before round 1).
+    an image inside the experiment's input (checked when the method is built, before round 1). The BatchNorm
+    statistics are averaged with the model (FedAvg of the state dict: Fling's rule, FedPFT's framework); the
+    official server moves ``parameters()`` only (``clientpt.py:97-100``, ``serverbase.py:115-127``), so there each
+    client would keep (and be scored with) its own statistics. Its own models (FedAvgCNN, its ViT) have no
+    BatchNorm, so this never shows in its runs.
 
     Choices where the papers are silent, and where ours differ from the official code: defaults are the official
     ones (prompt lr 20, momentum 0.5, 5 prompt epochs; its 5 local epochs are ``local_epochs: 5`` in the
