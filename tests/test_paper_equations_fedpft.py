@@ -184,7 +184,7 @@ def test_eq4_moco_loss_updates_the_key_encoder_first_and_uses_the_same_tau_and_p
     assert float(con.detach()) > 0 and moco["queue"].shape == (128, 16)
 
 
-# ---- Eqs. 5, 6 and l.133 / l.137: which loss reaches which parameter group ---------------------------------
+# ---- Eqs. 5, 6 and l.129 / l.137: which loss reaches which parameter group ---------------------------------
 @pytest.mark.parametrize("phase_name, tau_con", [("feature", True), ("task", True), ("task", False)])
 def test_eq5_eq6_each_phase_gradient_per_parameter_group_is_the_papers(phase_name, tau_con):
     """The summed loss's gradient on every parameter: the trained groups of Eq. 5 / Eq. 6 equal the hand gradients
