@@ -405,7 +405,10 @@ def test_the_configured_probe_experiments_are_the_papers():
     fig2 = rep["figures"]["fedpft_fig2"]["panels"]
     assert {p["method"] for p in fig2} == {"fedavg", "fedper", "fedcac", "pft_wo_con", "fedpft", "pft_s8",
                                            "pft_p_classifier"} <= set(viz["methods"])
-    assert [p["feature"] for p in rep["figures"]["fedpft_fig3"]["panels"]] == ["p_kappa", "p_rho"]
+    fig3 = rep["figures"]["fedpft_fig3"]
+    assert [(p["experiment"], p["method"], p["feature"]) for p in fig3["panels"]] == [
+        ("pft_c10_viz", "fedpft", "p_kappa"), ("pft_c10_viz", "fedpft", "p_rho")] and fig3["centroids"] is True
+    assert {p["experiment"] for p in fig2} == {"pft_c10_viz"} and {p["feature"] for p in fig2} == {"phi"}
     for ds, n_classes in (("c10", "cifar10"), ("c100", "cifar100")):
         for a in ("0p1", "0p5", "1p0"):
             e = exps[f"pft_fig4_{ds}_dir{a}"]
