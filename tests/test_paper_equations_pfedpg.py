@@ -62,7 +62,7 @@ def hand_generate(d: torch.Tensor, keys: torch.Tensor, basis: torch.Tensor) -> t
     return torch.stack(out)
 
 
-def hand_logits(vit, prompts: torch.Tensor, w: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def hand_logits(vit: torch.nn.Module, prompts: torch.Tensor, w: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """H_n(F*([c, P_n, z])): CLS + position, then the prompts, then the patch tokens (Sec. 3.2.1), frozen blocks,
     final norm, the CLS output through the linear head. The prompts' slot among the tokens is invisible to the
     CLS output (they carry no position embedding and attention is permutation-equivariant): what this pins is
@@ -75,7 +75,8 @@ def hand_logits(vit, prompts: torch.Tensor, w: torch.Tensor, b: torch.Tensor, x:
     return vit.norm(t)[:, 0] @ w.T + b
 
 
-def hand_jvp(d, keys, basis, cids, upstream):
+def hand_jvp(d: torch.Tensor, keys: torch.Tensor, basis: torch.Tensor, cids: list[int],
+             upstream: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """sum_n (dP_n/dphi)^T upstream_n for phi = (descriptors, keys, basis), the chain rule written out."""
     gd, gk, gb = torch.zeros_like(d), torch.zeros_like(keys), torch.zeros_like(basis)
     r = math.sqrt(keys.shape[1])
