@@ -19,7 +19,9 @@ digest/consensus formulas on tensors, the server's subset and mean, the phase or
 * evaluation: argmax over all n_c + n_p outputs (a public-class answer counts as wrong).
 
 FedHE: the paper's text could not be read here; the steps follow our docstring/DEVIATIONS ("FedHE") and the spec
-(per-class average logits up, global per-class logits down). Not pinned before (tests/test_method_fedhe.py pins
+(per-class average logits up, global per-class logits down). The authors' own TensorFlow code (github
+ChanYunHin/FedHe) differs in ways these tests do not assert: its distillation term is α·MSE(global logit of the
+class, raw logits), its uplink averages the train-mode logits of the local steps, and its server is asynchronous. Not pinned before (tests/test_method_fedhe.py pins
 kd_loss, class_means and aggregate_logits on tensors and the shapes of a run):
 * a client's local training with the downlink's teacher: CE + γ·KL(softmax(t_y/T) ‖ softmax(p/T)) per batch, SGD
   steps by hand, the gradient reaching every parameter of the entire model and no teacher buffer;
