@@ -18,13 +18,15 @@ digest/consensus formulas on tensors, the server's subset and mean, the phase or
 * a client's two fits: round 1 = transfer learning -> revisit -> upload, round 2 = digest -> revisit -> upload;
 * evaluation: argmax over all n_c + n_p outputs (a public-class answer counts as wrong).
 
-FedHE: the paper's text could not be read here; the steps follow our docstring/DEVIATIONS ("FedHE") and the spec
-(per-class average logits up, global per-class logits down). The authors' own TensorFlow code (github
-ChanYunHin/FedHe) differs in ways these tests do not assert: its distillation term is α·MSE(global logit of the
-class, raw logits), its uplink averages the train-mode logits of the local steps, and its server is asynchronous. Not pinned before (tests/test_method_fedhe.py pins
+FedHE: the paper's text could not be read here; the steps follow the authors' own TensorFlow code (github
+ChanYunHin/FedHe, its client's distillation term: α·MSE(global logit of the class, raw logits), α = 1), our
+docstring/DEVIATIONS ("FedHE") and the spec (per-class average logits up, global per-class logits down). The
+authors' code also differs in ways these tests do not assert (documented): its uplink averages the train-mode
+logits of the local steps, and its server is asynchronous. Not pinned before (tests/test_method_fedhe.py pins
 kd_loss, class_means and aggregate_logits on tensors and the shapes of a run):
-* a client's local training with the downlink's teacher: CE + γ·KL(softmax(t_y/T) ‖ softmax(p/T)) per batch, SGD
-  steps by hand, the gradient reaching every parameter of the entire model and no teacher buffer;
+* a client's local training with the downlink's teacher: CE + γ·mean_i mask[y_i]·mean_c (t_{y_i,c} − p_ic)² per
+  batch (the default, ``distill: mse``), or CE + γ·KL(softmax(t_y/T) ‖ softmax(p/T)) (``distill: kl``), SGD steps
+  by hand, the gradient reaching every parameter of the entire model and no teacher buffer;
 * the uplink: per-class mean of the trained model's eval-mode logits over its train set, and the counts;
 * a round: round 1 CE only (no global logits), round 2 distils towards the aggregate of round 1's uploads.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -218,9 +221,26 @@ def _hand_kd(out: Tensor, y: Tensor, teacher: Tensor, mask: Tensor, gamma: float
     return -(out.log_softmax(1)[torch.arange(len(y)), y]).mean() + gamma * kl.sum() / len(y)
 
 
-def test_fedhe_local_training_distils_towards_the_teacher_and_trains_the_entire_model():
+def _hand_mse(out: Tensor, y: Tensor, teacher: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """CE + γ · (1/B) Σ_i mask[y_i] · (1/C) Σ_c (t_{y_i,c} − p_ic)² (Keras' MeanSquaredError, the authors' client)."""
+    se = torch.zeros(())
+    for i in range(len(y)):
+        se = se + mask[y[i]] * sum((teacher[y[i], c] - out[i, c]) ** 2 for c in range(out.shape[1])) / out.shape[1]
+    return -(out.log_softmax(1)[torch.arange(len(y)), y]).mean() + gamma * se / len(y)
+
+
+def _hand_distill(distill: str, gamma: float, temp: float):
+    """The hand-written loss of ``distill`` (mse: raw logits; kl: softened by T)."""
+    if distill == "mse":
+        return lambda out, y, teacher, mask: _hand_mse(out, y, teacher, mask, gamma)
+    return lambda out, y, teacher, mask: _hand_kd(out, y, teacher, mask, gamma, temp)
+
+
+@pytest.mark.parametrize("distill", ["mse", "kl"])
+def test_fedhe_local_training_distils_towards_the_teacher_and_trains_the_entire_model(distill):
     gamma, temp = 0.7, 2.0
-    method = _fedhe(gamma=gamma, temperature=temp)
+    method = _fedhe(gamma=gamma, temperature=temp, distill=distill)
+    hand_loss = _hand_distill(distill, gamma, temp)
     client, cid = method.client, 1
     state, model, hand = _fresh(method, cid)
     x, y, batches, data = _private(9, 20)
@@ -231,7 +251,7 @@ def test_fedhe_local_training_distils_towards_the_teacher_and_trains_the_entire_
     client.start(model, cid, state, down)
     model.train()
     ours = client.loss(model, batches[0])
-    want = _hand_kd(hand.train()(batches[0].x), batches[0].y, teacher, mask, gamma, temp)
+    want = hand_loss(hand.train()(batches[0].x), batches[0].y, teacher, mask)
     torch.testing.assert_close(ours, want, rtol=0, atol=1e-5)
     named = dict(model.named_parameters())
     grads = torch.autograd.grad(ours, list(named.values()), allow_unused=True)
@@ -243,7 +263,7 @@ def test_fedhe_local_training_distils_towards_the_teacher_and_trains_the_entire_
     hand = copy.deepcopy(model)
     settings = TrainSettings(local_epochs=1, batch_size=5, optimizer=dict(OPT))
     state, res = client.fit(cid, state, down, data, settings)
-    _phase(hand, [(b.x, b.y) for b in batches], lambda out, t: _hand_kd(out, t, teacher, mask, gamma, temp))
+    _phase(hand, [(b.x, b.y) for b in batches], lambda out, t: hand_loss(out, t, teacher, mask))
     _assert_same(method.model_for(cid), hand, "fedhe fit")
     with torch.no_grad():
         logits = hand.eval()(x)                                   # one eval-mode pass after training
@@ -255,7 +275,7 @@ def test_fedhe_local_training_distils_towards_the_teacher_and_trains_the_entire_
 
 
 def test_fedhe_round_1_is_ce_only_and_round_2_distils_towards_round_1s_aggregate():
-    method = _fedhe()                                             # γ = 1, T = 1 (defaults)
+    method = _fedhe()                                             # γ = 1, MSE on raw logits (defaults)
     client, server = method.client, method.strategy
     settings = TrainSettings(local_epochs=1, batch_size=5, optimizer=dict(OPT))
     sstate = server.init_state(2)
@@ -274,7 +294,7 @@ def test_fedhe_round_1_is_ce_only_and_round_2_distils_towards_round_1s_aggregate
             if rnd == 1:
                 loss = lambda out, t: F.cross_entropy(out, t)     # noqa: E731
             else:
-                loss = lambda out, t: _hand_kd(out, t, teacher, tmask, 1.0, 1.0)  # noqa: E731
+                loss = lambda out, t: _hand_mse(out, t, teacher, tmask, 1.0)  # noqa: E731
             _phase(hands[cid], [(b.x, b.y) for b in batches], loss)
             _assert_same(method.model_for(cid), hands[cid], f"round {rnd} client {cid}")
         sstate = server.aggregate(RoundInfo(rnd, 2, 1.0, 0), sstate, results)
