@@ -18,15 +18,19 @@ from fedcore.methods import register_method
 from fedcore.methods.base import BatchableClient, PersonalEvaluator, PromptMethod, ce_losses, prompt_one_pass
 
 PROMPT = "prompts.0"  # the VPT-shallow prompt tokens (num_prompts, D) that the generator produces
-GENERATOR = ("descriptors", "keys", "basis")  # server_state tensors of the generator
+# server_state tensors of the generator: descriptors D (M, K, l), P_base (K, l), W^Q, W^K, W^V (l, lk), W^O (lk, l)
+GENERATOR = ("descriptors", "prompt_base", "w_q", "w_k", "w_v", "w_o")
 
 
 def generate(server_state: dict[str, Any], cids: list[int] | Tensor) -> Tensor:
-    """Generated prompts (len(cids), num_prompts, D): client descriptors attend over the prompt basis."""
-    desc = server_state["descriptors"][torch.as_tensor(cids, dtype=torch.long, device=server_state["keys"].device)]
-    keys, basis = server_state["keys"], server_state["basis"]
-    attn = torch.softmax(desc @ keys.T / math.sqrt(keys.shape[1]), dim=-1)  # (n, L, K)
-    return attn @ basis  # (n, L, D)
+    """Generated prompts (len(cids), K, l): each client's descriptor queries P_base by single-head cross-attention."""
+    base = server_state["prompt_base"]
+    desc = server_state["descriptors"][torch.as_tensor(cids, dtype=torch.long, device=base.device)]  # (n, K, l)
+    q = desc @ server_state["w_q"]                                    # (n, K, lk)
+    k = base @ server_state["w_k"]                                    # (K, lk)
+    v = base @ server_state["w_v"]                                    # (K, lv)
+    attn = torch.softmax(q @ k.T / math.sqrt(k.shape[1]), dim=-1)     # (n, K, K): each query over P_base's tokens
+    return attn @ v @ server_state["w_o"]                             # (n, K, l)
 
 
 class PFedPGClient(BatchableClient):
@@ -67,12 +71,14 @@ class PFedPGServer(Strategy):
     def init_state(self, num_clients: int) -> Payload:
         """The generator for the run's M clients (drawn on the CPU so every device gets the same tensors)."""
         state = super().init_state(num_clients)
-        dim = self.method.model.backbone.embed_dim
-        n, k, h = self.params["num_prompts"], self.params["num_bases"], self.params["desc_dim"]
+        dim, n = self.method.model.backbone.embed_dim, self.params["num_prompts"]
+        lk = self.params["attn_dim"]
         device = self.method.model.head.weight.device
-        state["descriptors"] = torch.randn(num_clients, n, h).to(device)
-        state["keys"] = torch.randn(k, h).to(device)
-        state["basis"] = init_prompts(k, dim, self.method.model.backbone.patch_size).detach().to(device)
+        state["descriptors"] = torch.randn(num_clients, n, dim).to(device)
+        state["prompt_base"] = init_prompts(n, dim, self.method.model.backbone.patch_size).detach().to(device)
+        # W^Q, W^K, W^V (l, lk) and W^O (lk, l), in this order (the paper gives no init: xavier-uniform is ours)
+        for key, shape in (("w_q", (dim, lk)), ("w_k", (dim, lk)), ("w_v", (dim, lk)), ("w_o", (lk, dim))):
+            state[key] = nn.init.xavier_uniform_(torch.empty(shape)).to(device)
         state["seen"] = torch.zeros(num_clients, dtype=torch.bool, device=device)
         return state
 
@@ -88,7 +94,7 @@ class PFedPGServer(Strategy):
         cids = [r.cid for r in results]
         # one full pFedHN step per client (weights sum to the number of clients), sample-size weighted
         w = torch.tensor(normalized_weights([float(r.num_samples) for r in results]),
-                         device=state["basis"].device) * len(results)
+                         device=state["prompt_base"].device) * len(results)
         phi = {k: state[k].detach().clone().requires_grad_(True) for k in GENERATOR}
         with torch.enable_grad():
             generated = generate(phi, cids)                                   # (n, L, D)
@@ -133,19 +139,22 @@ class PFedPG(PromptMethod):
     one SGD step on sum_n w_n * 0.5 ||G(d_n) - P~_n||^2 with P~_n held fixed. Heads are personal (the paper's
     "local classification head H_n" never leaves the client).
 
-    Generator (the paper gives no sizes; our choice): phi = {descriptors d (M, L, h), keys K (num_bases, h),
-    prompt basis B (num_bases, D)}; P_n = softmax(d_n K^T / sqrt(h)) B, i.e. each of client n's L prompt
-    tokens is an attention-weighted mixture of a client-agnostic prompt basis, queried by the client's
-    descriptor. d and K are N(0, 1) (different clients start from different mixtures), B has VPT's uniform
-    init. Defaults num_bases = 8, desc_dim = 32; all generator tensors live in the server state (checkpointed).
+    Generator (the paper's §3.2.2, Eq. 3: cross-attention "as in [Vaswani et al.]"): the descriptor d_n
+    (K, l) queries the client-agnostic prompt basis P_base (K, l),
+    P_n = softmax((d_n W^Q)(P_base W^K)^T / sqrt(lk)) (P_base W^V) W^O, with W^Q, W^K, W^V (l, lk) and W^O
+    (lk, l); the softmax runs over P_base's tokens. K = ``num_prompts`` for both d_n and P_base (the paper ties
+    them, §4.1.3: "the number of prompts K of P_n and P_base"). Single head, no biases, no residual or norm: the
+    paper names only the four matrices (a third-party code adds a residual on P_base; not followed). ``attn_dim``
+    = lk = lv (the paper gives none; default 64, [Vaswani et al.]'s d_k = d_v). At K = 1 the softmax is 1, so
+    every client gets the same prompt P_base W^V W^O and the descriptors get no gradient: the paper's form is
+    personal only from K = 2 (SGPT's runs use K = 1). Init (the paper gives none; ours): d_n ~ N(0, 1), P_base
+    with VPT's uniform init, the W's xavier-uniform, all drawn on the CPU from the run seed; all six tensors live
+    in the server state (checkpointed).
 
-    Generator learning rate ``gen_lr`` = 1.0 with plain SGD (no momentum), the natural scale of the
-    regression step: with one-hot attention a client's generated prompt lands exactly on its adapted one;
-    with soft attention a_n over the basis it moves a fraction a_n . a_n (~0.23 at init) of the way, plus
-    the other clients' pulls w_m (a_n . a_m) (~0.13 each at init). A round's signals are summed, each a
-    full pFedHN step (pFedHN updates after every client; the paper does not say how a round's clients are
-    combined), weighted w_n = N_n / mean(N) over the round's clients; averaging them instead (a quarter of
-    the step for 4 clients) left the generator far behind the adapted prompts on the tiny test task.
+    Generator learning rate ``gen_lr`` = 0.001 with plain SGD, the paper's alpha for G, P_base and D (§4.1.3),
+    applied to all six tensors. A round's signals are summed, each a full pFedHN step (pFedHN updates after
+    every client; the paper does not say how a round's clients are combined), weighted w_n = N_n / mean(N)
+    over the round's clients.
 
     Evaluation (``eval_prompts``): "adapted" (default) - a client that has trained uses the prompts and head
     it last trained (its personalised model); a never-sampled client uses its generated prompts with the
@@ -154,21 +163,21 @@ class PFedPG(PromptMethod):
     ``local_epochs`` (None: the experiment's E) sets the client's epochs per round; FedHPL's setting (spec §2: 10
     prompts, 5 local epochs, supervised pretrained ViT-B/16) is ``num_prompts: 10, local_epochs: 5``. Its Table 5
     counts: client side 10·768 prompts + a 768·n_c + n_c head (F2 − G2), uploads 7680 (7.5 K); its generator G2
-    (1.512 M) has no published architecture, so ours (M·L·h + K·h + K·D, ~8 K at the defaults) cannot match it.
+    (1.512 M) has no published size. Ours at ViT-B (l = 768, K = 10, lk = 64, 5 clients) counts
+    M·K·l + K·l + 4·l·lk = 38,400 + 7,680 + 196,608 = 242,688 (0.231 M), not 1.512 M; lk = lv = l would give
+    2,405,376 (2.294 M), also not it.
 
     Differences from the paper: prompt length 1 at block 0 only (SGPT spec 7.15 budget), whatever pFedPG's
-    own prompt size; the generator architecture, sizes and lr above are ours (the paper's text was not at
-    hand: only its overview - generator G, prompt basis P_base, client descriptors d_n, local heads H_n,
-    Delta P = P~ - P as the server's signal); the experiment's optimiser, lr, E
-    and participation are shared with the other baselines; the global state holds only the mean generated
-    prompt over all clients (a summary; evaluation never uses it).
+    own prompt size (K = 1: no personal generated prompts, above); the generator's init and ``attn_dim`` are ours
+    (the paper gives neither); -Delta P_n as the descent signal and the round's weighted sum (above); the
+    experiment's optimiser, lr, E and participation are shared with the other baselines; the global state holds
+    only the mean generated prompt over all clients (a summary; evaluation never uses it).
     """
 
     name = "pfedpg"
     prompt_mode = "shallow"
-    defaults = {"num_prompts": 1, "num_bases": 8, "desc_dim": 32, "gen_lr": 1.0, "eval_prompts": "adapted",
-                "local_epochs": None}
-    param_rules = {"num_prompts": Int(1), "num_bases": Int(1), "desc_dim": Int(1), "gen_lr": Number(0.0),
+    defaults = {"num_prompts": 1, "attn_dim": 64, "gen_lr": 0.001, "eval_prompts": "adapted", "local_epochs": None}
+    param_rules = {"num_prompts": Int(1), "attn_dim": Int(1), "gen_lr": Number(0.0),
                    "eval_prompts": Choice(("adapted", "generated")), "local_epochs": Int(1, optional=True)}
     client_role = PFedPGClient
     strategy_role = PFedPGServer
