@@ -71,16 +71,24 @@ def test_generated_prompts_differ_per_client_and_start_each_update():
     assert set(_personal(_method(eval_prompts="generated"))) == {"head.weight", "head.bias"}
 
 
-def test_one_prompt_gives_every_client_the_same_generated_prompt():
-    """K = 1 (SGPT's prompt length): the softmax over P_base's single token is 1, so P_n = P_base W^V W^O for
-    every client, and the descriptors get no gradient (documented)."""
+def test_one_generated_prompt_is_still_personal_over_the_papers_ten_basis_tokens():
+    """K = 1 (SGPT's prompt length) queries P_base's 10 tokens (the paper's size), so clients get their own prompt
+    and their descriptors a gradient; a one-token basis would make the softmax 1: one prompt P_base W^V W^O for
+    every client and no descriptor gradient (documented: why ``base_prompts`` is not tied to ``num_prompts``)."""
     method = _method()
     server = _setup(method)
     gen = generate(server, list(range(M)))
-    assert gen.shape == (M, 1, 64)
-    want = server["prompt_base"] @ server["w_v"] @ server["w_o"]
-    assert torch.allclose(gen, want.expand(M, 1, 64), atol=1e-7)
+    assert gen.shape == (M, 1, 64) and server["prompt_base"].shape == (10, 64)
+    flat = gen.flatten(1)
+    assert (torch.cdist(flat, flat) + torch.eye(M)).min() > 1e-4
     phi = {k: server[k].clone().requires_grad_(True) for k in GENERATOR}
+    (g_desc,) = torch.autograd.grad(generate(phi, [0, 1]).square().sum(), [phi["descriptors"]])
+    assert g_desc[[0, 1]].abs().sum(dim=(1, 2)).min() > 0
+    tied = _setup(_method(base_prompts=1))
+    gen = generate(tied, list(range(M)))
+    want = tied["prompt_base"] @ tied["w_v"] @ tied["w_o"]
+    assert torch.allclose(gen, want.expand(M, 1, 64), atol=1e-7)
+    phi = {k: tied[k].clone().requires_grad_(True) for k in GENERATOR}
     (g_desc,) = torch.autograd.grad(generate(phi, [0, 1]).square().sum(), [phi["descriptors"]])
     assert torch.equal(g_desc, torch.zeros_like(g_desc))
 
@@ -92,7 +100,7 @@ def test_generator_init_is_seeded_on_the_cpu_with_the_documented_draws():
     a, b = _setup(method), _setup(method)
     for k in GENERATOR:
         assert torch.equal(a[k], b[k]), k
-    assert a["descriptors"].shape == (M, 4, 64) and a["prompt_base"].shape == (4, 64)
+    assert a["descriptors"].shape == (M, 4, 64) and a["prompt_base"].shape == (10, 64)
     assert [tuple(a[k].shape) for k in ("w_q", "w_k", "w_v", "w_o")] == [(64, 16)] * 3 + [(16, 64)]
     bound = math.sqrt(6 / (64 + 16))
     for k in ("w_q", "w_k", "w_v", "w_o"):

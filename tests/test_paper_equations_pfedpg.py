@@ -21,7 +21,7 @@ from fedcore.engine.roles import FitResult, RoundInfo, module_state
 from fedcore.methods import method_class
 from fedcore.methods.pfedpg import PROMPT
 
-M, C, L, LK, D = 4, 3, 2, 5, 64  # clients, classes, prompts K (of P_n and P_base), attn_dim lk = lv, l (vit_mini)
+M, C, L, LK, D = 4, 3, 2, 5, 64  # clients, classes, prompts K of P_n (P_base: 10), attn_dim lk = lv, l (vit_mini)
 PHI = ("descriptors", "prompt_base", "w_q", "w_k", "w_v", "w_o")  # G's W^Q, W^K, W^V, W^O, P_base and D
 GAMMA, WD, ALPHA = 0.25, 0.001, 0.001  # the paper's client lr, weight decay and generator lr (Sec. 4.1.3)
 
@@ -109,11 +109,13 @@ def _gen(state: dict) -> torch.Tensor:
 # ---- Eq. 3 (generator), Alg. 1 line 6 (downlink and start) ----------------------------------------------
 def test_eq3_generated_prompts_are_the_papers_cross_attention_by_hand():
     """Paper Eq. 3: the descriptor d_n queries P_base through W^Q, W^K, W^V, W^O (W^Q, W^K in R^{l x lk}, W^V in
-    R^{l x lv}, W^O in R^{lv x l}), scaled by sqrt(lk); K prompts for P_n and P_base alike (Sec. 4.1.3). Ours
-    (documented): lk = lv = ``attn_dim``, one head, no biases, no residual: the six tensors are all of phi."""
+    R^{l x lv}, W^O in R^{lv x l}), scaled by sqrt(lk); P_base of the paper's 10 tokens (Sec. 4.1.3), d_n of one
+    query per generated prompt. Ours (documented): lk = lv = ``attn_dim``, one head, no biases, no residual: the six
+    tensors are all of phi."""
     method = _method()
     server = _server(method)
-    shapes = {"descriptors": (M, L, D), "prompt_base": (L, D), "w_q": (D, LK), "w_k": (D, LK), "w_v": (D, LK),
+    assert method.params["base_prompts"] == 10
+    shapes = {"descriptors": (M, L, D), "prompt_base": (10, D), "w_q": (D, LK), "w_k": (D, LK), "w_v": (D, LK),
               "w_o": (LK, D)}
     assert {k: tuple(server[k].shape) for k in PHI} == shapes
     assert set(server) == set(PHI) | {"model", "seen"}  # nothing else in G: no biases, no extra keys

@@ -18,7 +18,7 @@ from fedcore.methods import register_method
 from fedcore.methods.base import BatchableClient, PersonalEvaluator, PromptMethod, ce_losses, prompt_one_pass
 
 PROMPT = "prompts.0"  # the VPT-shallow prompt tokens (num_prompts, D) that the generator produces
-# server_state tensors of the generator: descriptors D (M, K, l), P_base (K, l), W^Q, W^K, W^V (l, lk), W^O (lk, l)
+# server_state tensors of the generator: descriptors D (M, K, l), P_base (B, l), W^Q, W^K, W^V (l, lk), W^O (lk, l)
 GENERATOR = ("descriptors", "prompt_base", "w_q", "w_k", "w_v", "w_o")
 
 
@@ -27,9 +27,9 @@ def generate(server_state: dict[str, Any], cids: list[int] | Tensor) -> Tensor:
     base = server_state["prompt_base"]
     desc = server_state["descriptors"][torch.as_tensor(cids, dtype=torch.long, device=base.device)]  # (n, K, l)
     q = desc @ server_state["w_q"]                                    # (n, K, lk)
-    k = base @ server_state["w_k"]                                    # (K, lk)
-    v = base @ server_state["w_v"]                                    # (K, lv)
-    attn = torch.softmax(q @ k.T / math.sqrt(k.shape[1]), dim=-1)     # (n, K, K): each query over P_base's tokens
+    k = base @ server_state["w_k"]                                    # (B, lk)
+    v = base @ server_state["w_v"]                                    # (B, lv)
+    attn = torch.softmax(q @ k.T / math.sqrt(k.shape[1]), dim=-1)     # (n, K, B): each query over P_base's tokens
     return attn @ v @ server_state["w_o"]                             # (n, K, l)
 
 
@@ -72,10 +72,10 @@ class PFedPGServer(Strategy):
         """The generator for the run's M clients (drawn on the CPU so every device gets the same tensors)."""
         state = super().init_state(num_clients)
         dim, n = self.method.model.backbone.embed_dim, self.params["num_prompts"]
-        lk = self.params["attn_dim"]
+        lk, nb = self.params["attn_dim"], self.params["base_prompts"]
         device = self.method.model.head.weight.device
         state["descriptors"] = torch.randn(num_clients, n, dim).to(device)
-        state["prompt_base"] = init_prompts(n, dim, self.method.model.backbone.patch_size).detach().to(device)
+        state["prompt_base"] = init_prompts(nb, dim, self.method.model.backbone.patch_size).detach().to(device)
         # W^Q, W^K, W^V (l, lk) and W^O (lk, l), in this order (the paper gives no init: xavier-uniform is ours)
         for key, shape in (("w_q", (dim, lk)), ("w_k", (dim, lk)), ("w_v", (dim, lk)), ("w_o", (lk, dim))):
             state[key] = nn.init.xavier_uniform_(torch.empty(shape)).to(device)
@@ -140,16 +140,17 @@ class PFedPG(PromptMethod):
     "local classification head H_n" never leaves the client).
 
     Generator (the paper's §3.2.2, Eq. 3: cross-attention "as in [Vaswani et al.]"): the descriptor d_n
-    (K, l) queries the client-agnostic prompt basis P_base (K, l),
+    (K, l), one query token per generated prompt, queries the client-agnostic prompt basis P_base (B, l),
     P_n = softmax((d_n W^Q)(P_base W^K)^T / sqrt(lk)) (P_base W^V) W^O, with W^Q, W^K, W^V (l, lk) and W^O
-    (lk, l); the softmax runs over P_base's tokens. K = ``num_prompts`` for both d_n and P_base (the paper ties
-    them, §4.1.3: "the number of prompts K of P_n and P_base"). Single head, no biases, no residual or norm: the
-    paper names only the four matrices (a third-party code adds a residual on P_base; not followed). ``attn_dim``
-    = lk = lv (the paper gives none; default 64, [Vaswani et al.]'s d_k = d_v). At K = 1 the softmax is 1, so
-    every client gets the same prompt P_base W^V W^O and the descriptors get no gradient: the paper's form is
-    personal only from K = 2 (SGPT's runs use K = 1). Init (the paper gives none; ours): d_n ~ N(0, 1), P_base
-    with VPT's uniform init, the W's xavier-uniform, all drawn on the CPU from the run seed; all six tensors live
-    in the server state (checkpointed).
+    (lk, l); the softmax runs over P_base's B tokens. K = ``num_prompts``; B = ``base_prompts`` = 10, the paper's
+    size of P_base (§4.1.3: "the number of prompts K of P_n and P_base is set as 10"), also where a host paper
+    gives pFedPG fewer prompts (SGPT: K = 1). Tying B to K there would make the softmax over one token 1: every
+    client would get the same prompt P_base W^V W^O and the descriptors no gradient (``base_prompts: 1`` shows
+    it). Single head, no biases, no residual or norm: the paper names only the four matrices (a third-party code
+    adds a residual on P_base; not followed). ``attn_dim`` = lk = lv (the paper gives none; default 64,
+    [Vaswani et al.]'s d_k = d_v). Init (the paper gives none; ours): d_n ~ N(0, 1), P_base with VPT's uniform
+    init, the W's xavier-uniform, all drawn on the CPU from the run seed; all six tensors live in the server
+    state (checkpointed).
 
     Generator learning rate ``gen_lr`` = 0.001 with plain SGD, the paper's alpha for G, P_base and D (§4.1.3),
     applied to all six tensors. A round's signals are summed, each a full pFedHN step (pFedHN updates after
@@ -164,11 +165,11 @@ class PFedPG(PromptMethod):
     prompts, 5 local epochs, supervised pretrained ViT-B/16) is ``num_prompts: 10, local_epochs: 5``. Its Table 5
     counts: client side 10·768 prompts + a 768·n_c + n_c head (F2 − G2), uploads 7680 (7.5 K); its generator G2
     (1.512 M) has no published size. Ours at ViT-B (l = 768, K = 10, lk = 64, 5 clients) counts
-    M·K·l + K·l + 4·l·lk = 38,400 + 7,680 + 196,608 = 242,688 (0.231 M), not 1.512 M; lk = lv = l would give
+    M·K·l + B·l + 4·l·lk = 38,400 + 7,680 + 196,608 = 242,688 (0.231 M), not 1.512 M; lk = lv = l would give
     2,405,376 (2.294 M), also not it.
 
     Differences from the paper: prompt length 1 at block 0 only (SGPT spec 7.15 budget), whatever pFedPG's
-    own prompt size (K = 1: no personal generated prompts, above); the generator's init and ``attn_dim`` are ours
+    own prompt size (P_base keeps the paper's 10 tokens, above); the generator's init and ``attn_dim`` are ours
     (the paper gives neither); -Delta P_n as the descent signal and the round's weighted sum (above); the
     experiment's optimiser, lr, E and participation are shared with the other baselines; the global state holds
     only the mean generated prompt over all clients (a summary; evaluation never uses it).
@@ -176,8 +177,9 @@ class PFedPG(PromptMethod):
 
     name = "pfedpg"
     prompt_mode = "shallow"
-    defaults = {"num_prompts": 1, "attn_dim": 64, "gen_lr": 0.001, "eval_prompts": "adapted", "local_epochs": None}
-    param_rules = {"num_prompts": Int(1), "attn_dim": Int(1), "gen_lr": Number(0.0),
+    defaults = {"num_prompts": 1, "base_prompts": 10, "attn_dim": 64, "gen_lr": 0.001, "eval_prompts": "adapted",
+                "local_epochs": None}
+    param_rules = {"num_prompts": Int(1), "base_prompts": Int(1), "attn_dim": Int(1), "gen_lr": Number(0.0),
                    "eval_prompts": Choice(("adapted", "generated")), "local_epochs": Int(1, optional=True)}
     client_role = PFedPGClient
     strategy_role = PFedPGServer
