@@ -70,6 +70,26 @@ def test_a_last_batch_of_one_sample_is_skipped_only_when_batchnorm_trains(hetero
     assert not trains_batchnorm(FedAvg(_adapter("vit_mini", 1), 4).model)
 
 
+def test_drop_last_skips_a_clients_incomplete_batch_only_when_it_holds_a_whole_one(hetero_files, tmp_path):
+    """``federation.drop_last`` (FedOTP's code: Dassl's train loader drops the last incomplete batch when a client
+    holds >= batch_size samples): 20 samples at batch 16 train one batch, not two; a client of 10 keeps its batch.
+    BatchNorm's ``num_batches_tracked`` counts the batches each client trained (one local epoch)."""
+    from fedcore.partition.file import Partition
+
+    part = Partition.load(hetero_files["partition5"])
+    counts = {}
+    for n in (20, 10):
+        part.train = [t[:n] for t in part.train]
+        part.save(tmp_path / f"p{n}.npz")
+        for drop in (False, True):
+            params = {**run_params(rounds=1, participation=1.0, drop_last=drop), "method_params": {"init": "random"}}
+            res = train_run(params, identity("fedavg"), hetero_files["dataset"], tmp_path / f"p{n}.npz",
+                            "resnet_mini_18", hetero_files["weights"]["resnet_mini_18"], tmp_path / f"m{n}{drop}.parquet",
+                            tmp_path / f"f{n}{drop}.pt", progress=False)
+            counts[n, drop] = int(res.server_state["model"]["net.bn1.num_batches_tracked"])
+    assert counts == {(20, False): 2, (20, True): 1, (10, False): 1, (10, True): 1}
+
+
 def test_pool_projection_averages_groups_of_features_without_parameters():
     from fedcore.methods.base import FeaturePool, WholeModelClassifier
 

@@ -160,12 +160,17 @@ def run_federated(method: Method, train: DeviceSplit, test: DeviceSplit, client_
     # a client whose model trains BatchNorm skips a last batch of one sample (its batch statistics are undefined
     # and torch raises; PFLlib's loaders drop_last); frozen or BatchNorm-free models see every sample
     single_ok = [not trains_batchnorm(method.model_for(c)) for c in range(num_clients)]
+    # ``federation.drop_last`` (FedOTP's code: Dassl's train loader drops the last incomplete batch of a client that
+    # holds at least one whole batch); otherwise only the BatchNorm rule above
+    drop_last = bool(fed.get("drop_last", False))
+    least = [settings.batch_size if drop_last and len(client_train[c]) >= settings.batch_size
+             else 1 if single_ok[c] else 2 for c in range(num_clients)]
 
     augment, handed = client.train_augment(tuple(spec.augment))
 
     def data_of(c: int, r: int, stream: int = 0) -> ClientData:
         return _client_data(c, r, spec.seed, client_train[c], train, pipeline, settings, augment, stream,
-                            min_batch=1 if single_ok[c] else 2, base_augment=handed)
+                            min_batch=least[c], base_augment=handed)
 
     state = ckpt.load()
     if state is None:
