@@ -105,6 +105,10 @@ def _params(setup: Setup, version: str) -> dict:
     method = "sgpt" if version == "2024-07" else "sgpt_code2024"
     params = {**_config().at_scale(setup.scale).method_params(setup.experiment, method),
               "first_shared_tokens": setup.n_prompt}
+    if version == "2024-07" and setup.dataset != "cifar100":
+        # its feature-shift command: the batch vote and alpha_k = 0 (--moment 0), where `sgpt` follows the paper
+        # (per-sample Select, alpha_k = 0.5: DEVIATIONS.md, SGPT)
+        params |= {"batch_vote": True, "key_momentum": 0.0}
     if setup.blocks is not None:
         params["shared_blocks"], params["group_blocks"] = map(list, setup.blocks)
     return params
