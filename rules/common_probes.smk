@@ -13,7 +13,8 @@ def _probe_cfg(name, kind):
 
 
 def congruence_points(name):
-    """One entry per (setting, seed): the run's final.pt when the experiment runs that method, else why not."""
+    """One entry per (setting, seed): the run's final.pt and its query transform when the experiment runs that
+    method, else why not."""
     fig = _probe_cfg(name, "congruence")
     exp = fig["experiment"]
     configured = CFG.experiments[exp]["methods"]
@@ -23,6 +24,9 @@ def congruence_points(name):
             entry = {"value": p["value"], "method": p["method"], "seed": seed}
             if p["method"] in configured:
                 entry["path"] = f"{run_dir(exp, p['method'], seed)}/final.pt"
+                # the run's Select query transform: K-Means and its groups must see the queries as it did
+                params = _method_class(CFG.base_method(p["method"])).with_defaults(CFG.method_params(exp, p["method"]))
+                entry["query_relu"] = bool(params.get("query_relu", False))
             else:
                 entry["status"] = "not configured"
             out.append(entry)

@@ -43,7 +43,7 @@ def test_sgpt_batch_vote_stays_on_the_device():
 
     g = torch.Generator().manual_seed(0)
     queries, keys = torch.randn(8, 16, generator=g), torch.randn(4, 16, generator=g)
-    params = {"batch_vote": True, "calibration_eps": 1e-3}
+    params = {"batch_vote": True, "calibration_eps": 1e-3, "query_relu": False}
     with HostSyncs() as syncs:
         groups, _ = assign(queries, keys, params, None, train=True)
     assert syncs.total == 0, dict(syncs.counts)

@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 import timm
 import torch
+from torch.nn import functional as F
 
 from fedcore.backbones.prompted import PromptedViT
 from fedcore.backbones.vit import build_vit
@@ -15,7 +16,8 @@ from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import FitResult, RoundInfo, module_state
 from fedcore.artifacts.select_queries import compute_select_queries
 from fedcore.methods import sgpt as sgpt_module
-from fedcore.methods.sgpt import QUERY, SGPT, aggregate_keys, assign, orthogonal_keys, select_groups
+from fedcore.methods.sgpt import (QUERY, SGPT, aggregate_keys, assign, orthogonal_keys, select_groups,
+                                  select_scores)
 from fedcore.partition.make import make_partition
 from fedcore.train import train_run
 from tests.conftest import identity, run_params, synthetic_bundle
@@ -76,6 +78,31 @@ def test_calibration_prefers_rarely_used_groups():
     freq = torch.tensor([0.9, 0.05, 0.05], dtype=torch.float64)   # group 0 used 18x more often
     assert int(_assign(m, q, train=True, freq=freq)[0]) == 1
     assert int(_assign(m, q, train=False, freq=freq)[0]) == 0  # inference never calibrates
+
+
+def test_select_query_is_the_raw_feature_unless_query_relu():
+    """The paper's Eq. 5/6 take cos(h, k_g) on the raw CLS feature; ``query_relu`` takes the official code's
+    cos(ReLU(h), k_g): a query with a negative coordinate picks different groups under the two."""
+    paper, code = _method(), _method(query_relu=True)
+    assert paper.params["query_relu"] is False and code.params["query_relu"] is True
+    for m in (paper, code):
+        with torch.no_grad():
+            m.model.keys.zero_()
+            m.model.keys[0, 1] = 1.0               # key 0 along +e1
+            m.model.keys[1, 0] = -1.0              # key 1 along -e0
+            m.model.keys[2, 2] = 1.0
+    q = torch.zeros(1, _dim(paper))
+    q[0, 0], q[0, 1] = -1.0, 0.2                   # raw: nearest to -e0; ReLU'd: (0, 0.2), along +e1
+    k = paper.model.keys
+    assert torch.allclose(select_scores(q, k), F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).T)
+    assert torch.allclose(select_scores(q, k, relu=True), F.normalize(F.relu(q), dim=-1) @ F.normalize(k, dim=-1).T)
+    for train in (False, True):
+        assert int(_assign(paper, q, train=train)[0]) == 1
+        assert int(_assign(code, q, train=train)[0]) == 0
+    assert int(select_groups(q, k)) == 1 and int(select_groups(q, k, relu=True)) == 0
+    # the key loss is -cos with the query each variant selects with
+    assert float(_assign(paper, q, train=True)[1].detach()) == pytest.approx(-1.0 / float(q.norm()), rel=1e-5)
+    assert float(_assign(code, q, train=True)[1].detach()) == pytest.approx(-1.0, rel=1e-5)
 
 
 def test_batch_vote_gives_the_whole_batch_its_mode_group():
@@ -296,3 +323,26 @@ def test_select_cluster_acc_scores_the_whole_test_set():
     assert got == [pytest.approx(want)]
     pooled = hungarian_accuracy(select_groups(q[:20], m.model.keys).numpy(), coarse[:20].numpy())
     assert want != pytest.approx(pooled)                           # the test tells the two sets apart
+
+
+def test_select_cluster_acc_uses_the_runs_query_transform():
+    """Table 4 scores the Select the run trains with: the raw query by default, the ReLU'd one with ``query_relu``."""
+    from fedcore.engine.data import DeviceSplit
+    from fedcore.engine.evaluate import EvalSets
+    from fedcore.engine.roles import RoundContext
+    from fedcore.metrics import hungarian_accuracy
+
+    gen = torch.Generator().manual_seed(5)
+    n = 60
+    for relu in (False, True):
+        m = _method(query_relu=relu)
+        q = torch.randn(n, _dim(m), generator=gen)
+        coarse = torch.randint(0, 3, (n,), generator=gen)
+        test = DeviceSplit(torch.zeros(n, 16, 16, 3, dtype=torch.uint8), coarse.clone(), coarse=coarse,
+                           extras={QUERY: q})
+        train = DeviceSplit(torch.zeros(1, 16, 16, 3, dtype=torch.uint8), torch.zeros(1, dtype=torch.long))
+        ctx = RoundContext(1, True, train, [torch.arange(1)], EvalSets(test, [torch.arange(n)], test, "pooled_local"),
+                           None, 8)
+        got = [v for c, s, metric, v in m.evaluator.round_rows(ctx, m.model, {}) if metric == "select_cluster_acc"]
+        assert not torch.equal(select_groups(q, m.model.keys), select_groups(q, m.model.keys, relu=True))
+        assert got == [pytest.approx(hungarian_accuracy(select_groups(q, m.model.keys, relu).numpy(), coarse.numpy()))]

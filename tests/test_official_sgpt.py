@@ -101,10 +101,11 @@ def _config():
 
 def _params(setup: Setup, version: str) -> dict:
     """Our parameters as a run of the variant reproducing the checkout's version gets them: ``sgpt`` for the
-    July 2024 code (HEAD), ``sgpt_code2024`` for the March 2024 one."""
+    July 2024 code (HEAD), ``sgpt_code2024`` for the March 2024 one; both with the code's ReLU'd query."""
     method = "sgpt" if version == "2024-07" else "sgpt_code2024"
+    # every release ReLUs the Select query before normalising, which `sgpt` (the paper's Eq. 5/6) does not
     params = {**_config().at_scale(setup.scale).method_params(setup.experiment, method),
-              "first_shared_tokens": setup.n_prompt}
+              "first_shared_tokens": setup.n_prompt, "query_relu": True}
     if version == "2024-07" and setup.dataset != "cifar100":
         # its feature-shift command: the batch vote and alpha_k = 0 (--moment 0), where `sgpt` follows the paper
         # (per-sample Select, alpha_k = 0.5: DEVIATIONS.md, SGPT)
@@ -295,7 +296,7 @@ def test_key_matching_and_chosen_groups_equal_the_official(pair: Pair):
     code's q_g + 5e-4, batch vote for Office), the key loss and their per-group counts."""
     s, m, t = pair, pair.ours, pair.theirs
     q, keys = pair.query, m.model.keys
-    _close(select_scores(q, keys), _their_cos(t, q, s.groups), "cos(L2(ReLU(q)), L2(k))")
+    _close(select_scores(q, keys, relu=True), _their_cos(t, q, s.groups), "cos(L2(ReLU(q)), L2(k))")
 
     ours_eval, _ = assign(q, keys, m.params, None, train=False)
     t.eval()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedcore.analysis.clustering import (
-    congruence, hungarian_accuracy, majority_fraction, overlap_accuracy, relu_l2,
+    congruence, hungarian_accuracy, kmeans_clusters, majority_fraction, overlap_accuracy, query_l2, relu_l2,
 )
 from fedcore.analysis.congruence import MISSING_RUN, NO_KEYS, NOT_CONFIGURED, OK, congruence_table, write_congruence
 from fedcore.analysis.params import NOT_IMPLEMENTED, param_counts, write_param_counts
@@ -88,6 +88,32 @@ def test_congruence_table_statuses_and_values(tmp_path: Path):
     assert by.loc["sgpt", "q_kmeans"] == pytest.approx(1.0)
     assert by.loc["sgpt_qg", "acc_overlap"] == pytest.approx(0.5)  # everything in one group
     assert table.loc[table["status"] != OK, "congruence"].isna().all()
+
+
+def test_congruence_uses_each_runs_query_transform(tmp_path: Path):
+    """K-Means and the run's groups see the queries as the run's Select did: raw (the paper, the default) or ReLU'd
+    (``query_relu``, the official code). Two blobs that differ only in a negative coordinate merge under the ReLU."""
+    from fedcore.methods.sgpt import select_groups
+
+    rng = np.random.default_rng(1)
+    labels = np.arange(40) % 2
+    q = rng.normal(0, 0.05, size=(40, 4)).astype(np.float32)
+    q[:, 0] += 1.0
+    q[labels == 1, 1] -= 1.0                       # blob 1 only differs in a negative coordinate
+    keys = torch.tensor([[1.0, 0, 0, 0], [1.0, -1.0, 0, 0]])
+    final = _final(tmp_path / "a.pt", keys)
+    points = [{"value": 0.0, "method": "sgpt", "seed": 0, "path": str(final)},
+              {"value": 1.0, "method": "sgpt_relu", "seed": 0, "path": str(final), "query_relu": False},
+              {"value": 2.0, "method": "sgpt_code2024", "seed": 0, "path": str(final), "query_relu": True}]
+    by = congruence_table(q, labels, "coarse", points, k=2, seed=0).set_index("method")
+    assert by.loc["sgpt", "congruence"] == pytest.approx(1.0) and by.loc["sgpt", "q_kmeans"] == pytest.approx(1.0)
+    assert by.loc["sgpt_relu", "congruence"] == pytest.approx(1.0)   # explicit false = the default
+    relu = congruence(select_groups(torch.from_numpy(q), keys, relu=True).numpy(),
+                      kmeans_clusters(query_l2(q, relu=True), 2, 0, 10), labels)
+    assert by.loc["sgpt_code2024", ["acc_overlap", "q_kmeans", "congruence"]].tolist() == \
+        pytest.approx([relu["acc_overlap"], relu["q_kmeans"], relu["congruence"]])
+    assert relu["q_kmeans"] < 0.9                  # the ReLU merged the blobs: a different reference
+    np.testing.assert_allclose(query_l2(q, relu=True), relu_l2(q))
 
 
 def test_write_congruence_reads_cached_queries(tmp_path: Path, tiny_run_files):

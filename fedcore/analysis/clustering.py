@@ -6,11 +6,18 @@ import numpy as np
 from fedcore.metrics import contingency, hungarian_accuracy  # noqa: F401 - SGPT Table 4's score, with this module's
 
 
-def relu_l2(features: np.ndarray) -> np.ndarray:
-    """SGPT's query transform: ReLU, then L2-normalise each row (spec sgpt §1.4), as float32."""
-    x = np.maximum(np.asarray(features, dtype=np.float32), 0.0)
+def query_l2(features: np.ndarray, relu: bool = False) -> np.ndarray:
+    """SGPT's query transform: L2-normalise each row, after a ReLU with ``relu`` (the official code's), as float32."""
+    x = np.asarray(features, dtype=np.float32)
+    if relu:
+        x = np.maximum(x, 0.0)
     norm = np.linalg.norm(x, axis=1, keepdims=True)
     return x / np.maximum(norm, 1e-12)  # F.normalize's eps: an all-zero row stays zero
+
+
+def relu_l2(features: np.ndarray) -> np.ndarray:
+    """The official code's query transform: ReLU, then L2-normalise each row (spec sgpt §1.4), as float32."""
+    return query_l2(features, relu=True)
 
 
 def overlap_accuracy(groups: np.ndarray, reference: np.ndarray) -> float:

@@ -1,8 +1,9 @@
 """SGPT Fig. 6a probe: congruence of each run's Select groups with a centralised K-Means reference.
 
-K-Means (K = G, fixed seed) runs once on the ReLU + L2-normalised train Select queries (the cached
-``features`` rule's file); every run's final keys then assign the same queries to groups (Eq. 5, no
-calibration), and congruence = Acc_overlap(groups, K-Means) / Q_kmeans(labels, K-Means) (spec §3.5).
+K-Means (K = G, fixed seed) runs on the L2-normalised train Select queries (the cached ``features`` rule's
+file), ReLU'd first for a run with ``query_relu`` (the official code's transform), once per transform; every
+run's final keys then assign the same queries to groups with its own transform (Eq. 5, no calibration), and
+congruence = Acc_overlap(groups, K-Means) / Q_kmeans(labels, K-Means) (spec §3.5).
 Labels are the dataset's coarse labels (CIFAR-100's 20 superclasses), or its classes when it has none.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedcore.analysis.clustering import congruence, kmeans_clusters, relu_l2
+from fedcore.analysis.clustering import congruence, kmeans_clusters, query_l2
 from fedcore.artifacts.select_queries import read_select_queries
 from fedcore.data.arrays import load_bundle
 from fedcore.io import atomic_path
@@ -49,12 +50,19 @@ def congruence_table(train_queries: np.ndarray, labels: np.ndarray, label_kind: 
                      k: int, seed: int, n_init: int = 10) -> pd.DataFrame:
     """One row per (setting, run seed): congruence of that run's groups with K-Means, or why there is none.
 
-    ``points``: dicts with value, method, seed and either ``path`` (the run's final.pt) or ``status``.
+    ``points``: dicts with value, method, seed, optionally ``query_relu`` (the run's method param; default false)
+    and either ``path`` (the run's final.pt) or ``status``.
     """
     if len(train_queries) != len(labels):
         raise ValueError(f"{len(train_queries)} train queries but {len(labels)} labels")
-    feats = relu_l2(train_queries)
-    clusters = kmeans_clusters(feats, k, seed, n_init)
+    references: dict[bool, np.ndarray] = {}
+
+    def clusters_for(relu: bool) -> np.ndarray:
+        """K-Means on the queries as that run's Select sees them, computed once per transform."""
+        if relu not in references:
+            references[relu] = kmeans_clusters(query_l2(train_queries, relu), k, seed, n_init)
+        return references[relu]
+
     queries = torch.from_numpy(np.ascontiguousarray(train_queries))
     rows = []
     for p in points:
@@ -70,8 +78,9 @@ def congruence_table(train_queries: np.ndarray, labels: np.ndarray, label_kind: 
             if keys is None:
                 row["status"] = NO_KEYS
             else:
-                groups = select_groups(queries, keys).numpy()
-                row.update(congruence(groups, clusters, labels), status=OK)
+                relu = bool(p.get("query_relu", False))
+                groups = select_groups(queries, keys, relu).numpy()
+                row.update(congruence(groups, clusters_for(relu), labels), status=OK)
         rows.append(row)
     return pd.DataFrame(rows, columns=COLUMNS)
 

@@ -6,10 +6,13 @@ Model (§1.3). A frozen ViT; shared prompts P_S inserted right after CLS at the 
 a linear head on the CLS token (Block I) or on mean(CLS, group-prompt tokens) when groups are active
 (``pooling: cls_group``, the released code since its commit 199c38b of July 2024). ``pooling: cls_prompts`` is
 the code of the paper's time: the mean of CLS and every shared-prompt token, plus the group-prompt tokens when
-groups are active (config variant ``sgpt_code2024``, with no batch vote and the code's counter timing).
+groups are active (config variant ``sgpt_code2024``, with no batch vote, the code's counter timing and
+``query_relu``).
 
 Select (§1.4). The query is the frozen, un-prompted ViT's final-norm CLS after ``select_block``, cached
-per dataset by the ``features`` rule (artifact ``cls_block<b>``); q = L2(ReLU(h)) [code]. Inference: argmax cos(q, k_g).
+per dataset by the ``features`` rule (artifact ``cls_block<b>``); Select compares cos(h, k_g) on the raw query
+(Eq. 5/6); ``query_relu`` takes cos(ReLU(h), k_g) as the official code does (variant ``sgpt_code2024``).
+Inference: argmax cos(q, k_g).
 Training: argmin (1 - cos) * (q_g + 5e-4), q_g the global accumulated selection frequency (Eq. 6;
 plain argmin while no counts exist); with ``batch_vote`` (feature shift, [code]) the whole batch takes
 its most frequent group. The key loss -mean cos(q, k_g) reaches only the keys.
@@ -74,15 +77,17 @@ def orthogonal_keys(groups: int, dim: int) -> Tensor:
 POOLINGS = ("cls_group", "cls_prompts")
 
 
-def select_scores(queries: Tensor, keys: Tensor) -> Tensor:
-    """cos(L2(ReLU(q)), L2(k)) for every (sample, group): (B, G), in float32."""
-    q = F.normalize(F.relu(queries.float()), dim=-1)
+def select_scores(queries: Tensor, keys: Tensor, relu: bool = False) -> Tensor:
+    """cos(q, k) for every (sample, group): (B, G), in float32; ``relu``: cos(ReLU(q), k) as the official code."""
+    q = queries.float()
+    # the paper's Eq. 5/6 take the raw CLS feature; the official code ReLUs it first (spec sgpt §1.4)
+    q = F.normalize(F.relu(q) if relu else q, dim=-1)
     return q @ F.normalize(keys.float(), dim=-1).T
 
 
-def select_groups(queries: Tensor, keys: Tensor) -> Tensor:
+def select_groups(queries: Tensor, keys: Tensor, relu: bool = False) -> Tensor:
     """Inference-time Select (Eq. 5): the group of maximal cosine similarity for each query."""
-    return select_scores(queries, keys).argmax(dim=1)
+    return select_scores(queries, keys, relu).argmax(dim=1)
 
 
 class SGPTModel(nn.Module):
@@ -138,7 +143,7 @@ class SGPTModel(nn.Module):
 def assign(queries: Tensor, keys: Tensor, params: dict, freq: Tensor | None, train: bool) -> tuple[Tensor, Tensor]:
     """(groups (B,), key loss) for a batch of raw queries; calibrated (by ``freq``) and voted only in training."""
     with torch.autocast(queries.device.type, enabled=False):
-        cos = select_scores(queries, keys)
+        cos = select_scores(queries, keys, bool(params["query_relu"]))
         dist = 1.0 - cos.detach()
         if train and freq is not None:
             dist = dist * (freq.to(dist) + float(params["calibration_eps"]))
@@ -323,14 +328,14 @@ class SGPTEvaluator(Evaluator):
         c = int(self.params["trace_client"])
         queries = ctx.train.extras.get(QUERY)
         if 0 <= c < len(ctx.client_train) and queries is not None:
-            groups = select_groups(queries[ctx.client_train[c]], model.keys)
+            groups = select_groups(queries[ctx.client_train[c]], model.keys, bool(self.params["query_relu"]))
             counts = torch.bincount(groups, minlength=int(self.params["groups"])).tolist()
             rows += [(c, "train", f"select_g{g:02d}", float(n)) for g, n in enumerate(counts)]
         # Table 4 scores Select on the whole test split (paper §5.3.1: "the CIFAR-100 test dataset"), not only the
         # union of the clients' local test sets (~95 % of it at s=10, ~75 % at s=50)
         src = ctx.eval_sets.official if ctx.eval_sets.official is not None else ctx.eval_sets.source
         if ctx.evaluated and src.coarse is not None and QUERY in src.extras:
-            pred = select_groups(src.extras[QUERY], model.keys).cpu().numpy()
+            pred = select_groups(src.extras[QUERY], model.keys, bool(self.params["query_relu"])).cpu().numpy()
             acc = hungarian_accuracy(pred, src.coarse.cpu().numpy())
             rows.append((-1, "global", "select_cluster_acc", acc))
         return rows
@@ -346,6 +351,7 @@ class SGPT(Method):
         "shared_blocks": [0, 1, 2, 3],   # U_S, 0-indexed (CIFAR-100 s=10, spec §1.3)
         "group_blocks": [4, 5, 6],       # U_G
         "select_block": 11,              # the block whose final-norm CLS is the Select query
+        "query_relu": False,             # cos(ReLU(h), k) as the official code; the paper (Eq. 5/6): cos(h, k)
         "first_shared_tokens": 1,        # n_prompt at the first shared block (prompt length 1)
         "key_momentum": 0.5,             # alpha_k
         "group_momentum": 0.5,           # alpha_g
@@ -365,6 +371,7 @@ class SGPT(Method):
         "shared_blocks": BlockList(),
         "group_blocks": BlockList(),
         "select_block": BlockIndex(),
+        "query_relu": Flag(),
         "first_shared_tokens": Int(1),
         "key_momentum": Number(0.0, 1.0),
         "group_momentum": Number(0.0, 1.0),
