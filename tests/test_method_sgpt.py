@@ -171,6 +171,17 @@ def test_key_aggregation_weights_and_uniform_fallback():
     assert torch.allclose(out[1], torch.tensor([0.5, 0.5]))   # group 1: 20 <= 50 selections -> 1/m
     fedavg = aggregate_keys(keys, counts, [1.0, 3.0], "samples", fallback=50)
     assert torch.allclose(fedavg[0], torch.tensor([0.25, 0.75]))  # plain N_i weights (Table 4 "FedAvg")
+    # the default (the paper's weights wherever defined): group 1 counted too; uniform only where nobody chose it
+    assert _method().params["key_fallback_count"] == 0
+    paper = aggregate_keys(keys, counts, [1.0, 3.0], "counts", fallback=0)
+    assert torch.allclose(paper[1], torch.tensor([0.5, 0.5]))      # 10 / 20 each
+    lopsided = torch.tensor([[60.0, 15.0], [40.0, 5.0]], dtype=torch.float64)
+    assert torch.allclose(aggregate_keys(keys, lopsided, [1.0, 3.0], "counts", fallback=0)[1],
+                          torch.tensor([0.25, 0.75]))              # 15 / 20 of client 0's row [0, 1] + 5 / 20 of [1, 0]
+    assert torch.allclose(aggregate_keys(keys, lopsided, [1.0, 3.0], "counts", fallback=50)[1],
+                          torch.tensor([0.5, 0.5]))                # the code's fallback: 20 <= 50 -> 1/m
+    unseen = torch.tensor([[60.0, 0.0], [40.0, 0.0]], dtype=torch.float64)
+    assert torch.allclose(aggregate_keys(keys, unseen, [1.0, 3.0], "counts", fallback=0)[1], torch.tensor([0.5, 0.5]))
 
 
 def test_server_momentum_and_counter():

@@ -103,9 +103,10 @@ def _params(setup: Setup, version: str) -> dict:
     """Our parameters as a run of the variant reproducing the checkout's version gets them: ``sgpt`` for the
     July 2024 code (HEAD), ``sgpt_code2024`` for the March 2024 one; both with the code's ReLU'd query."""
     method = "sgpt" if version == "2024-07" else "sgpt_code2024"
-    # every release ReLUs the Select query before normalising, which `sgpt` (the paper's Eq. 5/6) does not
+    # every release ReLUs the Select query before normalising and averages a key uniformly when its group's count is
+    # <= 50, which `sgpt` (the paper's Eqs. 5-6, App. B) does not
     params = {**_config().at_scale(setup.scale).method_params(setup.experiment, method),
-              "first_shared_tokens": setup.n_prompt, "query_relu": True}
+              "first_shared_tokens": setup.n_prompt, "query_relu": True, "key_fallback_count": 50}
     if version == "2024-07" and setup.dataset != "cifar100":
         # its feature-shift command: the batch vote and alpha_k = 0 (--moment 0), where `sgpt` follows the paper
         # (per-sample Select, alpha_k = 0.5: DEVIATIONS.md, SGPT)

@@ -23,7 +23,9 @@ frozen; a fresh SGD optimiser per block, so a round is 2E passes as in the code.
 adds its selections to the client's counts N_g^i (each sample once per epoch).
 
 Server (§1.6, Alg. 2). Head, P_S and P_G: average with N_i weights over the participating clients. Keys:
-row g averaged with weights N_g^i / sum_i N_g^i, uniform 1/m when that sum is <= 50 [code]. Momentum
+row g averaged with weights N_g^i / sum_i N_g^i (the paper's §1.6 and Alg. 2), uniform 1/m only where no client
+chose g (the sum is 0); the official code also falls back when the sum is <= 50 (``key_fallback_count: 50``,
+variant ``sgpt_code2024``). Momentum
 (Eq. 7): k = a_k k_prev + (1 - a_k) k, P_G = a_g P_G,prev + (1 - a_g) P_G. The counter v_g adds the round's
 counts once per round (Alg. 2; ``counter_update: per_round``); ``per_client`` adds each client's counts as
 its result arrives, so later clients of a round already calibrate with them, as the official code does
@@ -358,7 +360,7 @@ class SGPT(Method):
         "calibration": True,             # q_g frequency calibration of training-time selection
         "calibration_eps": 5.0e-4,       # [code]
         "key_aggregation": "counts",     # counts (Alg. 2) | samples (plain FedAvg weights, Table 4)
-        "key_fallback_count": 50,        # uniform key weights when a group's round count is <= this [code]
+        "key_fallback_count": 0,         # uniform key weights when a group's round count is <= this ([code]: 50)
         "key_loss_weight": 1.0,          # [code]
         "batch_vote": False,             # feature shift: the batch's most frequent group for all [code]
         "schedule": "bcd",               # bcd | bcd_inv | joint (Table 3)
