@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedcore.constraints import Choice, Number
-from fedcore.engine.onepass import Owners
 from fedcore.engine.data import Batch
+from fedcore.engine.onepass import Owners
 from fedcore.engine.optim import ClientData
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy
 from fedcore.methods import register_method
@@ -105,8 +105,9 @@ class FedHE(WholeModelMethod):
     """FedHE (Chan & Ngai, "FedHe: Heterogeneous Models and Communication-Efficient Federated Learning", MSN 2021).
 
     Trained: each client's entire model (its own architecture, ``client_backbones``; ``init: random`` for
-    Table 2), with CE + γ · distillation towards the server's global logit of each sample's class. Uploaded: per class the
-    mean logit and the count, n_c·(n_c + 1) numbers (Table 9: 110 / 10100); no model tensor leaves a client.
+    Table 2), with CE + γ · distillation towards the server's global logit of each sample's class. Uploaded: per
+    class the mean logit and the count, n_c·(n_c + 1) numbers (Table 9: 110 / 10100); no model tensor leaves a
+    client.
     Aggregated: one global logit per class, the mean of the round's uploads (``weighting``). Evaluated: each
     client's own model on the test set (``PersonalEvaluator``, spec §3.3).
 
