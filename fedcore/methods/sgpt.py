@@ -23,7 +23,7 @@ frozen; a fresh SGD optimiser per block, so a round is 2E passes as in the code.
 adds its selections to the client's counts N_g^i (each sample once per epoch).
 
 Server (§1.6, Alg. 2). Head, P_S and P_G: average with N_i weights over the participating clients. Keys:
-row g averaged with weights N_g^i / sum_i N_g^i (the paper's §1.6 and Alg. 2), uniform 1/m only where no client
+row g averaged with weights N_g^i / sum_i N_g^i (the paper's App. B, Alg. 2), uniform 1/m only where no client
 chose g (the sum is 0); the official code also falls back when the sum is <= 50 (``key_fallback_count: 50``,
 variant ``sgpt_code2024``). Momentum
 (Eq. 7): k = a_k k_prev + (1 - a_k) k, P_G = a_g P_G,prev + (1 - a_g) P_G. The counter v_g adds the round's
