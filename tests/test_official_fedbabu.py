@@ -51,12 +51,13 @@ from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import RoundInfo, module_state
 from fedcore.methods.fedbabu import FedBABU
 from fedcore.official_code import checkout_on_path, standin_modules
+from official_support import ATOL, RTOL
+from official_support import assert_state_close as _close
 
 ENV = "FEDPROMPT_FEDBABU_OFFICIAL"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of "
                                 "FedBABU's code (github.com/jhoon-oh/FedBABU) to compare our FedBABU against")
 
-RTOL, ATOL = 1e-5, 1e-6  # fp32; ATOL covers entries near 0, which carry only rounding
 ARCH, CLASSES, BATCH, SIZE = "resnet8_pft_mini", 5, 8, 32
 LR, MOMENTUM, WD, EPOCHS, ROUNDS = 0.05, 0.9, 1e-3, 2, 2
 FT_LR, FT_EPOCHS = 0.01, 2
@@ -200,18 +201,6 @@ def _data(cid: int, items: list, idxs: np.ndarray, lr: float = LR, wd: float = W
     settings = TrainSettings(local_epochs=epochs, batch_size=BATCH,
                              optimizer={"name": "sgd", "lr": lr, "momentum": MOMENTUM, "weight_decay": wd})
     return ClientData(cid, len(idxs), lambda: iter(batches), torch.Generator().manual_seed(cid), settings=settings)
-
-
-def _close(ours: dict[str, Tensor], theirs: dict[str, Tensor], what: str, keys: list[str]) -> None:
-    """Every named tensor equal to fp32 tolerance; prints the largest absolute and relative difference."""
-    worst_abs = worst_rel = 0.0
-    for k in keys:
-        a, b = ours[k].detach().double(), theirs[k].detach().double()
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{what}, {k}: {m}")
-        diff = (a - b).abs()
-        worst_abs = max(worst_abs, float(diff.max()))
-        worst_rel = max(worst_rel, float((diff / b.abs().clamp_min(1e-3)).max()))
-    print(f"{what}: {len(keys)} tensors, max abs diff {worst_abs:.2e}, max rel diff {worst_rel:.2e}")
 
 
 def _score(method: FedBABU, model: nn.Module, items: list, idxs: np.ndarray) -> tuple[float, float]:

@@ -39,6 +39,7 @@ prints the largest differences found).
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import os
 from pathlib import Path
@@ -57,6 +58,7 @@ from fedcore.engine.roles import FitResult, Method, RoundInfo, module_state
 from fedcore.methods.fedbn import FedBN, batchnorm_keys
 from fedcore.official_code import checkout_on_path
 from official_support import assert_state_close as _close
+from official_support import random_batches
 
 ENV = "FEDPROMPT_FEDBN_OFFICIAL"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of the "
@@ -123,12 +125,8 @@ class _Iter:
         return self.items[self.i - 1]
 
 
-def _batches(n: int, seed: int, missing: tuple[int, ...] = ()) -> list[tuple[Tensor, Tensor]]:
-    """``n`` batches of BATCH images (3 x SIZE x SIZE) with labels drawn from the classes not in ``missing``."""
-    g = torch.Generator().manual_seed(seed)
-    allowed = torch.tensor([c for c in range(CLASSES) if c not in missing])
-    return [(torch.randn(BATCH, 3, SIZE, SIZE, generator=g),
-             allowed[torch.randint(len(allowed), (BATCH,), generator=g)]) for _ in range(n)]
+# ``n`` batches of BATCH random images (3 x SIZE x SIZE), labels from the classes not in ``missing``
+_batches = functools.partial(random_batches, batch=BATCH, classes=CLASSES, size=SIZE)
 
 
 def _data(cid: int, batches: list[tuple[Tensor, Tensor]]) -> ClientData:

@@ -29,6 +29,7 @@ prints the largest differences found).
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import os
 from pathlib import Path
@@ -50,6 +51,7 @@ from fedcore.methods import fedgen
 from fedcore.methods.fedgen import FedGen, Generator, ensemble_logits, generator_loss, sample_labels, teacher_weights
 from fedcore.official_code import checkout_on_path, standin_modules
 from official_support import assert_state_close as _close
+from official_support import random_batches
 
 ENV = "FEDPROMPT_FEDGEN_OFFICIAL"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a checkout of FedGen "
@@ -86,12 +88,8 @@ def fg() -> SimpleNamespace:
 
 
 # ---- the shared setting ---------------------------------------------------------------------------------------
-def _batches(n: int, seed: int, missing: tuple[int, ...] = ()) -> list[tuple[Tensor, Tensor]]:
-    """``n`` batches of BATCH images (3 x SIZE x SIZE) with labels drawn from the classes not in ``missing``."""
-    g = torch.Generator().manual_seed(seed)
-    allowed = torch.tensor([c for c in range(CLASSES) if c not in missing])
-    return [(torch.randn(BATCH, 3, SIZE, SIZE, generator=g),
-             allowed[torch.randint(len(allowed), (BATCH,), generator=g)]) for _ in range(n)]
+# ``n`` batches of BATCH random images (3 x SIZE x SIZE), labels from the classes not in ``missing``
+_batches = functools.partial(random_batches, batch=BATCH, classes=CLASSES, size=SIZE)
 
 
 def _data(cid: int, batches: list[tuple[Tensor, Tensor]]) -> ClientData:

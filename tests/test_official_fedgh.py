@@ -36,6 +36,7 @@ Differences, asserted as what they are (DEVIATIONS.md "FedGH"):
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import os
 import random
@@ -55,12 +56,12 @@ from fedcore.engine.optim import ClientData, TrainSettings
 from fedcore.engine.roles import FitResult, RoundInfo, module_state
 from fedcore.methods.fedgh import FedGH
 from fedcore.official_code import checkout_on_path
+from official_support import assert_state_close, random_batches
 
 ENV = "FEDPROMPT_FEDGH_OFFICIAL"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a local checkout of "
                                 "github.com/LipingYi/FedGH (none in CI, which has no internet)")
 
-RTOL, ATOL = 1e-5, 1e-6                                   # fp32 on the CPU
 ARCHS, DIM, CLASSES, BATCH, SIZE = ("resnet_mini_18", "resnet_mini_50"), 128, 4, 8, 16
 LR, MOMENTUM, DECAY, EPOCHS, ROUNDS = 0.05, 0.9, 1e-3, 2, 2
 SGD = {"name": "sgd", "lr": LR, "momentum": MOMENTUM, "weight_decay": DECAY}
@@ -93,12 +94,8 @@ def official() -> ModuleType:
 
 
 # ---- the shared setting ------------------------------------------------------------------------------------------
-def _batches(n: int, seed: int, missing: tuple[int, ...] = ()) -> list[tuple[Tensor, Tensor]]:
-    """``n`` batches of BATCH images with labels drawn from the classes not in ``missing``."""
-    g = torch.Generator().manual_seed(seed)
-    allowed = torch.tensor([c for c in range(CLASSES) if c not in missing])
-    return [(torch.randn(BATCH, 3, SIZE, SIZE, generator=g),
-             allowed[torch.randint(len(allowed), (BATCH,), generator=g)]) for _ in range(n)]
+# ``n`` batches of BATCH random images (3 x SIZE x SIZE), labels from the classes not in ``missing``
+_batches = functools.partial(random_batches, batch=BATCH, classes=CLASSES, size=SIZE)
 
 
 def _data(cid: int, batches: list[tuple[Tensor, Tensor]]) -> ClientData:
@@ -164,16 +161,9 @@ def _their_order(batches: list[tuple[Tensor, Tensor]]) -> list[int]:
 def _close(ours: dict[str, Tensor], theirs: dict[str, Tensor], what: str) -> None:
     """Every named tensor equal to fp32 tolerance; keeps the largest differences for the report."""
     assert sorted(ours) == sorted(theirs), f"{what}: keys differ {sorted(set(ours) ^ set(theirs))}"
-    worst_abs = worst_rel = 0.0
-    for k in ours:
-        a, b = ours[k].detach().double(), theirs[k].detach().double()
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{what}, {k}: {m}")
-        diff = (a - b).abs()
-        worst_abs = max(worst_abs, float(diff.max()))
-        worst_rel = max(worst_rel, float((diff / b.abs().clamp_min(1e-3)).max()))
+    worst_abs, _ = assert_state_close(ours, theirs, what)
     kind = re.sub(r"round \d+ |client \d+ | \(class \d+\)", "", what)
     WORST[kind] = max(WORST.get(kind, 0.0), worst_abs)
-    print(f"{what}: {len(ours)} tensors, max abs diff {worst_abs:.2e}, max rel diff {worst_rel:.2e}")
 
 
 def _run_theirs(mod: ModuleType, nets: list[TheirNet], header: TheirHeader, data: dict[int, list], test: list,

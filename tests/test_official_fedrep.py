@@ -58,12 +58,12 @@ from fedcore.engine.roles import FitResult, RoundInfo, module_state
 from fedcore.engine.sampling import clients_per_round
 from fedcore.methods.fedrep import FedRep
 from fedcore.official_code import checkout_on_path, standin_modules
+from official_support import ATOL, RTOL, assert_state_close
 
 ENV = "FEDPROMPT_FEDREP_OFFICIAL"
 pytestmark = pytest.mark.skipif(not os.environ.get(ENV), reason=f"{ENV} is not set: it names a local checkout of "
                                 "github.com/lgcollins/FedRep (none in CI, which has no internet)")
 
-RTOL, ATOL = 1e-5, 1e-6                   # fp32 on the CPU
 CLASSES, BATCH, LR, EPOCHS, ROUNDS = 5, 8, 0.05, 3, 2
 SIZES = (3, 2, 3, 1)                      # training batches per client
 FRAC = 0.7                                # theirs: int(0.7 * 4) = 2 clients a round
@@ -152,17 +152,9 @@ def _close(ours: dict[str, Tensor], theirs: dict[str, Tensor], what: str, keys: 
     """Every named floating tensor equal to fp32 tolerance; the largest differences are kept for the summary."""
     keys = [k for k in (list(ours) if keys is None else keys) if ours[k].is_floating_point()]
     assert keys, what
-    worst_abs = worst_rel = 0.0
-    for k in keys:
-        a, b = ours[k].detach().double(), theirs[k].detach().double()
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{what}, {k}: {m}")
-        diff = (a - b).abs()
-        worst_abs = max(worst_abs, float(diff.max()))
-        worst_rel = max(worst_rel, float((diff / b.abs().clamp_min(1e-3)).max()))
+    worst_abs, _ = assert_state_close(ours, theirs, what, keys, verbose=VERBOSE)
     kind = what.split(":")[0]
     WORST[kind] = max(WORST.get(kind, 0.0), worst_abs)
-    if VERBOSE:
-        print(f"{what}: {len(keys)} tensors, max abs {worst_abs:.2e}, max rel {worst_rel:.2e}")
 
 
 def _copy(state: dict[str, Tensor], keys: list[str]) -> dict[str, Tensor]:

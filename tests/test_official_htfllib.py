@@ -31,6 +31,7 @@ largest differences found).
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import os
 from collections import defaultdict
@@ -55,6 +56,7 @@ from fedcore.methods.fedgh import FedGH
 from fedcore.methods.fedproto import FedProto
 from fedcore.methods.fedtgp import FedTGP
 from official_support import assert_state_close as _close
+from official_support import random_batches
 from test_official_pfllib import MetricsStandIn, _pfllib_on_path
 
 ENV = "FEDPROMPT_HTFLLIB"
@@ -119,12 +121,8 @@ def store(htfl: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Store:
 
 
 # ---- the shared setting ---------------------------------------------------------------------------------------
-def _batches(n: int, seed: int, missing: tuple[int, ...] = ()) -> list[tuple[Tensor, Tensor]]:
-    """``n`` batches of BATCH images (3 x SIZE x SIZE) with labels drawn from the classes not in ``missing``."""
-    g = torch.Generator().manual_seed(seed)
-    allowed = torch.tensor([c for c in range(CLASSES) if c not in missing])
-    return [(torch.randn(BATCH, 3, SIZE, SIZE, generator=g),
-             allowed[torch.randint(len(allowed), (BATCH,), generator=g)]) for _ in range(n)]
+# ``n`` batches of BATCH random images (3 x SIZE x SIZE), labels from the classes not in ``missing``
+_batches = functools.partial(random_batches, batch=BATCH, classes=CLASSES, size=SIZE)
 
 
 def _data(cid: int, batches: list[tuple[Tensor, Tensor]]) -> ClientData:
