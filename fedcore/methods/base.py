@@ -398,7 +398,7 @@ def kd_loss(logits: Tensor, labels: Tensor, teacher: Tensor, mask: Tensor, gamma
 
 
 class DistillClient(Client):
-    """Trains with ``kd_loss`` (params ``gamma``, ``temperature``) towards the downlink's teacher buffers; sends no
+    """Trains with ``distill_loss`` (``kd_loss``, params ``gamma``, ``temperature``) towards the downlink's teacher buffers; sends no
     model tensor and keeps its whole model; ``local_logits`` is the extra pass its upload is made from."""
 
     def shared_keys(self, keys: list[str]) -> list[str]:
@@ -409,17 +409,20 @@ class DistillClient(Client):
         """Everything it trains stays with the client; the teacher buffers come fresh with every downlink."""
         return [k for k in keys if k not in (TEACHER, TEACHER_MASK)]
 
-    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
-        """CE + γ · KD towards the downlink's teacher logits (loaded into the model's buffers)."""
+    def distill_loss(self, logits: Tensor, labels: Tensor, teacher: Tensor, mask: Tensor) -> Tensor:
+        """CE + γ · distillation towards the true class's teacher logit (``kd_loss``; a method may override it)."""
         p = self.params
-        return kd_loss(model(batch.x).float(), batch.y, getattr(model, TEACHER), getattr(model, TEACHER_MASK),
-                       float(p["gamma"]), float(p["temperature"]))
+        return kd_loss(logits, labels, teacher, mask, float(p["gamma"]), float(p["temperature"]))
+
+    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        """``distill_loss`` towards the downlink's teacher logits (loaded into the model's buffers)."""
+        return self.distill_loss(model(batch.x).float(), batch.y, getattr(model, TEACHER),
+                                 getattr(model, TEACHER_MASK))
 
     def client_losses(self, model: nn.Module, batch: Batch, owners: Owners) -> Tensor:
         """``loss`` of each client on its own segment of a concatenated batch, towards its own teacher (one pass)."""
-        p = self.params
         logits = model(batch.x, owners).float()
-        return torch.stack([kd_loss(z, y, t, m, float(p["gamma"]), float(p["temperature"]))
+        return torch.stack([self.distill_loss(z, y, t, m)
                             for z, y, t, m in zip(owners.split(logits), owners.split(batch.y),
                                                   owners.of(getattr(model, TEACHER)),
                                                   owners.of(getattr(model, TEACHER_MASK)))])

@@ -9,8 +9,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedcore.constraints import Choice, Number
-from fedcore.engine.data import Batch
-from fedcore.engine.onepass import Owners
 from fedcore.engine.optim import ClientData
 from fedcore.engine.roles import FitResult, Payload, RoundInfo, Strategy
 from fedcore.methods import register_method
@@ -59,18 +57,9 @@ def fedhe_loss(logits: Tensor, labels: Tensor, teacher: Tensor, mask: Tensor, pa
 class FedHEClient(DistillClient):
     """CE + KD towards the global per-class logits; uploads its per-class mean logits and counts, no model tensor."""
 
-    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
-        """CE + γ · distillation towards the downlink's teacher logits (``distill``)."""
-        return fedhe_loss(model(batch.x).float(), batch.y, getattr(model, TEACHER), getattr(model, TEACHER_MASK),
-                          self.params)
-
-    def client_losses(self, model: nn.Module, batch: Batch, owners: Owners) -> Tensor:
-        """``loss`` of each client on its own segment of a concatenated batch, towards its own teacher (one pass)."""
-        logits = model(batch.x, owners).float()
-        return torch.stack([fedhe_loss(z, y, t, m, self.params)
-                            for z, y, t, m in zip(owners.split(logits), owners.split(batch.y),
-                                                  owners.of(getattr(model, TEACHER)),
-                                                  owners.of(getattr(model, TEACHER_MASK)))])
+    def distill_loss(self, logits: Tensor, labels: Tensor, teacher: Tensor, mask: Tensor) -> Tensor:
+        """CE + γ · distillation towards the true class's global logit (``distill``: MSE or KL)."""
+        return fedhe_loss(logits, labels, teacher, mask, self.params)
 
     def upload(self, model: nn.Module, cid: int, data: ClientData, stats: dict[str, float]) -> Payload:
         """Per class the mean logit and the count: n_c·(n_c + 1) numbers (Table 9: 110 / 10100)."""
