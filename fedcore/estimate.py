@@ -245,6 +245,7 @@ class RunShape:
     frozen_features: bool           # features computed once per run, then a head is trained (Head-Tune)
     side: int                       # the side of the images the backbones see
     public_train: int = 0           # a public dataset's train images (FedMD)
+    own_tests_only: bool = False    # global_test none: a personalised model scores its own client's test set only
 
     @property
     def clients(self) -> int:
@@ -278,7 +279,8 @@ def run_shape(resolved, experiment: str, method: str) -> RunShape:
         personalized=bool(cls.evaluator_role.personalized),
         frozen_features=cls.frozen_features is not Method.frozen_features,
         side=int(tp.get("input_size") or DATASET_SIDE.get(exp["dataset"], 32)),
-        public_train=dataset_facts(public).train.size if isinstance(public, str) else 0)
+        public_train=dataset_facts(public).train.size if isinstance(public, str) else 0,
+        own_tests_only=tp["evaluation"].get("global_test") == "none")
 
 
 # ---- the estimate ---------------------------------------------------------------------------------------------
@@ -356,7 +358,9 @@ def estimate(shape: RunShape) -> Estimate:
             evals += taken * subset * fwd
         if shape.method == "fedbabu":   # each evaluated round every client fine-tunes before it is scored
             train += shape.evaluated_rounds * int(p["finetune_epochs"]) * size / rate.images_per_s
-        if shape.personalized or c == 0:   # every client's own model scores the test sets, else one global model
+        # every client's own model scores the test sets, else one global model; scoring only their own test sets,
+        # the clients' models together score the pooled set once (the clients' test sets taken as disjoint)
+        if (shape.personalized and not shape.own_tests_only) or c == 0:
             evals += shape.evaluated_rounds * scored * fwd
     overhead = STARTUP_S + shape.rounds * ROUND_OVERHEAD_S
     if "queue_size" in p and p.get("contrastive", True):   # FedPFT's MoCo queues are in every round's checkpoint

@@ -140,6 +140,8 @@ def resolve_experiment(name: str, exp: dict, paper: str, scale: dict, files: str
     out["evaluation"] = deep_merge(out["evaluation"], scale.get("evaluation", {}))
     out["report"] = deep_merge(out["report"], scale.get("report", {}))
     out["method_federation"] = deep_merge(out.get("method_federation", {}), scale.get("method_federation", {}))
+    if "method_evaluation" in scale or "method_evaluation" in out:
+        out["method_evaluation"] = deep_merge(out.get("method_evaluation", {}), scale.get("method_evaluation", {}))
     run = scale.get("run_federation")
     if run:  # over the experiment's budget and every method's own, so that no run keeps a longer one
         out["federation"] = deep_merge(out["federation"], run)
@@ -173,9 +175,16 @@ def resolve_experiment(name: str, exp: dict, paper: str, scale: dict, files: str
     if window["window"] == "last" and window.get("rounds", 1) > out["federation"]["rounds"]:
         raise ConfigError(f"config error in {files}: experiment {name}: report.rounds={window['rounds']} exceeds "
                           f"federation.rounds={out['federation']['rounds']}")
+    if out["evaluation"]["global_test"] == "none" and out["evaluation"].get("per_class"):
+        raise ConfigError(f"config error in {files}: experiment {name}: evaluation.per_class reads the global test "
+                          "set, and evaluation.global_test is none")
     every = int(out.get("evaluation", {}).get("every", 1))
     if window["window"] == "best" and every != 1:
         # the best round must be chosen among all rounds, not among the evaluated ones only
         raise ConfigError(f"config error in {files}: experiment {name}: report.window 'best' needs every round "
                           f"evaluated, but evaluation.every={every}; set evaluation: {{every: 1}}")
+    for method, own in out.get("method_evaluation", {}).items():
+        if window["window"] == "best" and int(own.get("every", every)) != 1:
+            raise ConfigError(f"config error in {files}: experiment {name}: report.window 'best' needs every round "
+                              f"evaluated, but method_evaluation.{method}.every={own['every']}")
     return out

@@ -98,8 +98,9 @@ def load_scale(top: dict, root: Path, schema: dict, backbones: dict) -> Resolved
                 if unknown:
                     raise ConfigError(f"config error in {where}: method {m!r} has unknown param(s) {unknown}; "
                                       f"{resolved.base_method(m)} accepts {sorted(allowed)}")
-            for m in out.get("method_federation", {}):
-                check_name(m, runnable, where, f"method_federation.{m}")
+            for key in ("method_federation", "method_evaluation"):
+                for m in out.get(key, {}):
+                    check_name(m, runnable, where, f"{key}.{m}")
             window = out["report"]
             if window["window"] == "last":
                 for m in out["methods"]:

@@ -70,6 +70,7 @@ def load_report(root: Path, paper: str, scale: dict, scale_file: Path, schema: d
             if entry.get("kind") in ("dataset_stats", "image_grid"):  # data-only: the scale's dataset of each item
                 items = entry["rows"] if entry["kind"] == "dataset_stats" else entry["panels"]
                 entry["concrete"] = {x["dataset"]: scale["datasets"].get(x["dataset"]) for x in items}
+            _check_global_reads(entry, resolved.experiments, where)
             if kind == "tables":
                 _check_table(entry, resolved.experiments, where, runnable)
                 if entry.get("kind", "metrics") in ("metrics", "linear_probe"):
@@ -130,6 +131,37 @@ def _runnable(resolved: Resolved) -> set[str]:
     from fedcore.methods import method_names
 
     return set(method_names()) | set(resolved.variants)
+
+
+#: metrics of the global test set, which an experiment with ``evaluation.global_test`` none does not compute
+GLOBAL_METRICS = frozenset({"global_acc", "global_acc_min", "global_acc_max"})
+
+
+def _check_global_reads(node, experiments: dict, where: str, metric: str | None = None, path: str = "") -> None:
+    """No table cell or figure point reads a global-test metric of an experiment evaluated without a global test
+    set (``global_test: none``): such a cell could only ever say 'missing'."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_global_reads(item, experiments, where, metric, f"{path}[{i}]")
+        return
+    if not isinstance(node, dict):
+        return
+    if isinstance(node.get("metric"), str):
+        metric = node["metric"]
+    exp = node.get("experiment")
+    if metric in GLOBAL_METRICS and isinstance(exp, str) and exp in experiments \
+            and experiments[exp].get("evaluation", {}).get("global_test") == "none":
+        raise ConfigError(f"config error in {where} at {path.lstrip('.') or 'top'}: metric {metric} reads the global "
+                          f"test set, and experiment {exp!r} has evaluation.global_test none (its runs score the "
+                          "clients' own test sets only); read local_acc/worst_local_acc/client_acc, or give it a "
+                          "global test")
+    for key, value in node.items():
+        if key == "row_sources" and isinstance(value, dict):   # each row's experiment, read with every column's metric
+            for col in node.get("columns", []):
+                for row, src in value.items():
+                    _check_global_reads(src, experiments, where, col.get("metric"), f"{path}.row_sources.{row}")
+        elif isinstance(value, (dict, list)):
+            _check_global_reads(value, experiments, where, metric, f"{path}.{key}")
 
 
 def _check_figure(fig: dict, experiments: dict, where: str, runnable: set[str]) -> None:

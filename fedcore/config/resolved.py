@@ -111,11 +111,18 @@ class Resolved:
         budget = own.get(method, own.get(self.base_method(method), {}))
         return deep_merge(exp["federation"], budget)
 
+    def evaluation(self, experiment: str, method: str) -> dict[str, Any]:
+        """A run's evaluation: the experiment's, then the method's own schedule (a variant's, else its method's)."""
+        exp = self.experiments[experiment]
+        own = exp.get("method_evaluation", {})
+        return deep_merge(exp["evaluation"], own.get(method, own.get(self.base_method(method), {})))
+
     def train_params(self, experiment: str, method: str) -> dict[str, Any]:
         """Only what one run depends on, so editing another experiment or method reruns nothing here."""
         exp = self.experiments[experiment]
         out = {k: copy.deepcopy(exp[k]) for k in TRAIN_KEYS}
         out["federation"] = self.federation(experiment, method)
+        out["evaluation"] = self.evaluation(experiment, method)
         out["method"] = self.base_method(method)
         out["method_params"] = self.method_params(experiment, method)
         if "client_backbones" in exp:  # which of the run's backbones each client uses (homogeneous runs: absent)

@@ -1,5 +1,8 @@
 """Evaluation every round: global, mean-local and worst-local accuracy, for global or personalised models.
 
+``global_test`` none (FedOTP: its tables read the clients' own test sets only): no global accuracy, and each
+personalised model scores its own client's test set only, not every client's (100x less work at K = 100 clients).
+
 With ``per_class`` (the experiment's ``evaluation.per_class``) it also gives the accuracy on each class's
 images of the global test set, ``acc_class<k>``: per client for personalised models, and for client -1 the
 global model's (or, personalised, the mean over the clients of theirs; a class absent from the set is NaN).
@@ -29,7 +32,7 @@ class EvalSets:
     source: DeviceSplit             # split the local test indices point into
     client_indices: list[torch.Tensor]
     official: DeviceSplit | None    # the dataset's whole test split (global accuracy reads it when global_test == 'official_test')
-    global_test: str                # 'pooled_local' | 'official_test'
+    global_test: str                # 'pooled_local' | 'official_test' | 'none'
 
     def __post_init__(self) -> None:
         # Predict each pooled image once, then read every client's correct count from it.
@@ -76,12 +79,12 @@ def predict_clients(method, model, plan: OnePassEval, stacked: dict[str, torch.T
     return [torch.cat(p) if p else empty for p in out]
 
 
-def _personal_predictions(method, sets: EvalSets, pipeline: InputPipeline, batch_size: int,
-                          load: Callable[[int | None], torch.nn.Module], num_clients: int
-                          ) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
-    """Per client, its own model's predictions on the pooled local test set and (predictions, labels) on the global
-    test set: one client at a time, or the clients of one model together where the evaluator offers a one pass (the
-    same predictions; each client's model is loaded in turn either way)."""
+def _by_model(method, load: Callable[[int | None], torch.nn.Module], num_clients: int,
+              alone: Callable[[int, torch.nn.Module], object],
+              together: Callable[[torch.nn.Module, OnePassEval, list[int], dict[str, torch.Tensor]], list]) -> list:
+    """Per client, ``alone(c, model)`` for a client scored by itself, or its item of ``together(model, plan, clients,
+    stacked)`` for the clients of one model whose evaluator offers a one pass (their per-client tensors stacked,
+    client axis first); each client's model is loaded in turn either way."""
     out: list = [None] * num_clients
     groups: dict[int, tuple[torch.nn.Module, OnePassEval, list[int], list[dict]]] = {}
     for c in range(num_clients):
@@ -89,8 +92,7 @@ def _personal_predictions(method, sets: EvalSets, pipeline: InputPipeline, batch
         device = rules_device(next(iter(model.parameters())))
         plan = method.evaluator.one_pass(model) if one_pass_on(device) else None
         if plan is None:
-            pred = predict(method, model, sets.source, sets.pooled, pipeline, batch_size)
-            out[c] = (pred, _global_predictions(method, model, sets, pred, pipeline, batch_size))
+            out[c] = alone(c, model)
             continue
         group = groups.setdefault(id(model), (model, plan, [], []))
         group[2].append(c)
@@ -100,16 +102,68 @@ def _personal_predictions(method, sets: EvalSets, pipeline: InputPipeline, batch
         names = keys if plan.per_client is None else [k for k in keys if k in set(plan.per_client)]
         check_alike(snaps, [k for k in keys if k not in names])
         stacked = {n: torch.stack([s[n] for s in snaps]) for n in names}
-        pooled = predict_clients(method, model, plan, stacked, sets.source, sets.pooled, pipeline, batch_size)
-        if sets.global_test == "official_test":
-            idx = torch.arange(len(sets.official.y), device=sets.official.y.device)
-            official = predict_clients(method, model, plan, stacked, sets.official, idx, pipeline, batch_size)
-        for i, c in enumerate(clients):
-            if sets.global_test == "official_test":
-                out[c] = (pooled[i], (official[i], sets.official.y))
-            else:
-                out[c] = (pooled[i], _global_predictions(method, model, sets, pooled[i], pipeline, batch_size))
+        for c, item in zip(clients, together(model, plan, clients, stacked), strict=True):
+            out[c] = item
     return out
+
+
+def _personal_predictions(method, sets: EvalSets, pipeline: InputPipeline, batch_size: int,
+                          load: Callable[[int | None], torch.nn.Module], num_clients: int
+                          ) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+    """Per client, its own model's predictions on the pooled local test set and (predictions, labels) on the global
+    test set: one client at a time, or the clients of one model together where the evaluator offers a one pass (the
+    same predictions)."""
+    def alone(c: int, model: torch.nn.Module) -> tuple:
+        pred = predict(method, model, sets.source, sets.pooled, pipeline, batch_size)
+        return pred, _global_predictions(method, model, sets, pred, pipeline, batch_size)
+
+    def together(model, plan: OnePassEval, clients: list[int], stacked: dict[str, torch.Tensor]) -> list:
+        pooled = predict_clients(method, model, plan, stacked, sets.source, sets.pooled, pipeline, batch_size)
+        if sets.global_test != "official_test":
+            return [(p, _global_predictions(method, model, sets, p, pipeline, batch_size)) for p in pooled]
+        idx = torch.arange(len(sets.official.y), device=sets.official.y.device)
+        official = predict_clients(method, model, plan, stacked, sets.official, idx, pipeline, batch_size)
+        return [(p, (o, sets.official.y)) for p, o in zip(pooled, official, strict=True)]
+
+    return _by_model(method, load, num_clients, alone, together)
+
+
+def _own_predictions(method, sets: EvalSets, pipeline: InputPipeline, batch_size: int,
+                     load: Callable[[int | None], torch.nn.Module], num_clients: int) -> list[torch.Tensor]:
+    """Per client, its own model's predictions on its own local test set only (``global_test`` none), in the order
+    of its test indices: one client at a time, or the clients of one model in one pass over their own batches."""
+    def alone(c: int, model: torch.nn.Module) -> torch.Tensor:
+        return predict(method, model, sets.source, sets.client_indices[c], pipeline, batch_size)
+
+    def together(model, plan: OnePassEval, clients: list[int], stacked: dict[str, torch.Tensor]) -> list:
+        return predict_own_clients(method, model, plan, stacked, sets.source,
+                                   [sets.client_indices[c] for c in clients], pipeline, batch_size)
+
+    return _by_model(method, load, num_clients, alone, together)
+
+
+@torch.no_grad()
+def predict_own_clients(method, model, plan: OnePassEval, stacked: dict[str, torch.Tensor], split: DeviceSplit,
+                        indices: list[torch.Tensor], pipeline: InputPipeline, batch_size: int) -> list[torch.Tensor]:
+    """Predicted labels of each client whose tensors are stacked in ``stacked`` on its own ``indices`` of ``split``:
+    at each step the next batch of every client that has one, up to ``CLIENTS_PER_PASS`` clients' batches
+    concatenated into one pass (each segment read through its own client's tensors)."""
+    out: list[list[torch.Tensor]] = [[] for _ in indices]
+    predict = with_stacked(model, plan.predict)
+    batches = [iter(iterate_batches(split, idx, batch_size, pipeline)) for idx in indices]
+    with evaluation_scope():
+        while True:
+            step = [(r, b) for r, it in enumerate(batches) if (b := next(it, None)) is not None]
+            if not step:
+                break
+            for lo in range(0, len(step), CLIENTS_PER_PASS):
+                part = step[lo:lo + CLIENTS_PER_PASS]
+                owners = Owners(tuple(r for r, _ in part), tuple(len(b.y) for _, b in part))
+                batch = part[0][1] if len(part) == 1 else concat_batches([b for _, b in part])
+                for r, seg in zip(owners.rows, owners.split(predict(stacked, batch, owners))):
+                    out[r].append(seg.argmax(dim=1))
+    empty = torch.empty(0, dtype=torch.long, device=split.y.device)
+    return [torch.cat(p) if p else empty for p in out]
 
 
 def _client_correct(pred_pooled: torch.Tensor, sets: EvalSets, client: int) -> tuple[int, int]:
@@ -164,16 +218,27 @@ def evaluate_round(method, sets: EvalSets, pipeline: InputPipeline, batch_size: 
     num_clients = len(sets.client_indices)
     local_acc: list[float] = []
     counted = [c for c in range(num_clients) if not (exclude_untrained and c in untrained)] or list(range(num_clients))
+    own_only = sets.global_test == "none"
+    if own_only and per_class:
+        raise ValueError("evaluation.per_class reads the global test set, and global_test is none")
+    global_acc = None
     if not method.evaluator.personalized:
         model = load(None)
         pred = predict(method, model, sets.source, sets.pooled, pipeline, batch_size)
         for c in range(num_clients):
             k, n = _client_correct(pred, sets, c)
             local_acc.append(k / max(n, 1))
-        g_pred, g_labels = _global_predictions(method, model, sets, pred, pipeline, batch_size)
-        global_acc = _global_acc(sets, g_pred, g_labels)
-        if per_class:
-            rows += _class_rows(-1, class_accuracy(g_pred, g_labels, method.num_classes))
+        if not own_only:
+            g_pred, g_labels = _global_predictions(method, model, sets, pred, pipeline, batch_size)
+            global_acc = _global_acc(sets, g_pred, g_labels)
+            if per_class:
+                rows += _class_rows(-1, class_accuracy(g_pred, g_labels, method.num_classes))
+    elif own_only:
+        # each client's own model on its own test set only
+        for c, pred in enumerate(_own_predictions(method, sets, pipeline, batch_size, load, num_clients)):
+            labels = sets.source.y[sets.client_indices[c]]
+            local_acc.append(int((pred == labels).sum()) / max(len(labels), 1))
+        rows.append((-1, "local", "untrained_clients", float(len(untrained))))
     else:
         # each client's own model: local accuracy on its test set, global accuracy on the global test set
         global_accs, class_accs = [], []
@@ -197,7 +262,8 @@ def evaluate_round(method, sets: EvalSets, pipeline: InputPipeline, batch_size: 
     for c, a in enumerate(local_acc):
         rows.append((c, "local", "acc", a))
     local_kept = [local_acc[c] for c in counted] if method.evaluator.personalized else local_acc
-    rows.append((-1, "global", "acc", global_acc))
+    if global_acc is not None:
+        rows.append((-1, "global", "acc", global_acc))
     rows.append((-1, "local", "acc_mean", sum(local_kept) / len(local_kept)))
     rows.append((-1, "local", "acc_worst", min(local_kept)))
     return rows

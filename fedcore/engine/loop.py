@@ -64,11 +64,12 @@ class RunSpec:
 
     def evaluated(self, round_idx: int) -> bool:
         """Whether round ``round_idx`` (1-indexed) is evaluated: round 1 (so every per-round curve starts at the
-        first round), every ``every``-th round, each round of the report window and the ``last_rounds``."""
+        first round), every ``every``-th round (none when 0), each round of the report window and the
+        ``last_rounds``."""
         rounds = int(self.federation["rounds"])
         every = int(self.evaluation.get("every", 1))
         last = max(self.final_window, int(self.evaluation.get("last_rounds", 0)))
-        return round_idx == 1 or round_idx > rounds - last or round_idx % every == 0
+        return round_idx == 1 or round_idx > rounds - last or (every > 0 and round_idx % every == 0)
 
 
 @dataclass

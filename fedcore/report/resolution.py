@@ -46,7 +46,7 @@ _TEST_SPLIT = {"select_cluster_acc"}
 
 @dataclass(frozen=True)
 class EvalSizes:
-    """Test images per client (local test sets) and of the global test set (None: not known)."""
+    """Test images per client (local test sets) and of the global test set (None: not known, or none)."""
 
     clients: tuple[int, ...]
     global_set: int | None
@@ -66,12 +66,14 @@ def wilson_interval(p: float, n: int, z: float = Z95) -> tuple[float, float]:
 
 def eval_sizes(partition_path: str | os.PathLike, global_test: str, official_size: int | None) -> EvalSizes:
     """The test sizes of a run from its partition file; ``global_test`` official_test takes ``official_size``
-    (the dataset's test split), pooled_local the union of the clients' test indices; ``official_size`` is also
-    the whole test split's size."""
+    (the dataset's test split), pooled_local the union of the clients' test indices, none no global set
+    (None); ``official_size`` is also the whole test split's size."""
     part = Partition.load(partition_path)
     clients = tuple(len(t) for t in part.test)
     if global_test == "official_test":
         return EvalSizes(clients, official_size, official_size)
+    if global_test == "none":   # no global test set (its metrics are never read: fedcore/config/reports.py)
+        return EvalSizes(clients, None, official_size)
     pooled = np.unique(np.concatenate(part.test)) if part.test else np.empty(0)
     return EvalSizes(clients, int(len(pooled)), official_size)
 

@@ -1,0 +1,163 @@
+"""What a run evaluates, and where: ``evaluation.global_test: none`` (FedOTP: no global accuracy, each personalised
+model scores its own client's test set only; the local accuracies are those of the pooled evaluation, number for
+number; in one pass the clients' own batches go through together, each read through its own client's tensors), and a
+method's own schedule (``method_evaluation``: FedBABU at round 1 and the final round only)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import identity, run_params
+from fedcore.backbones.prompted import attention_backend
+from fedcore.config import ConfigError, load_config
+from fedcore.engine import evaluate
+from fedcore.engine.evaluate import predict, predict_own_clients
+from fedcore.methods import method_class
+from fedcore.methods.clip_prompt import TOKENS
+from fedcore.train import train_run
+from otp_helpers import NAMES, clip  # noqa: F401  (clip: a module-scoped fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+CLASSES = 4
+
+
+def _run(files: dict, out: Path, method: str, global_test: str):
+    out.mkdir()
+    params = {**run_params(rounds=2, participation=1.0), "evaluation": {"global_test": global_test}}
+    return train_run(params, identity(method), files["dataset"], files["partition"], "vit_mini", files["weights"],
+                     out / "m.parquet", out / "f.pt", progress=False).metrics
+
+
+@pytest.mark.parametrize("method", ["local", "fedvpt"])
+def test_no_global_test_keeps_every_local_number_and_drops_the_global_ones(learnable_run_files, tmp_path, method):
+    """A personalised (Local) and a global (FedVPT) method: the same local rows as with the pooled global test set,
+    and no global row at all."""
+    pooled = _run(learnable_run_files, tmp_path / "pooled", method, "pooled_local")
+    own = _run(learnable_run_files, tmp_path / "own", method, "none")
+    assert not (own.split == "global").any()
+    kept = pooled[pooled.split != "global"].reset_index(drop=True)
+    assert len(kept) == len(own) and (pooled.split == "global").any()
+    assert kept[["round", "client", "split", "metric"]].equals(own[["round", "client", "split", "metric"]])
+    assert kept["value"].tolist() == own["value"].tolist()
+
+
+@pytest.mark.parametrize("name", ["local", "coop", "fedotp"])
+def test_own_test_sets_in_one_pass_give_each_clients_own_predictions(clip, name, monkeypatch):
+    """Clients of uneven test sets (2, 0, 9 and 5 images at batch 4) scored together, two clients a pass: each
+    client's predictions are those of its model alone on its own images."""
+    from test_onepass import _states, _vit_method
+
+    monkeypatch.setattr(evaluate, "CLIENTS_PER_PASS", 2)
+    torch.manual_seed(1)
+    vit = name == "local"
+    method = _vit_method(name) if vit else method_class(name)(clip, len(NAMES), {}, class_names=NAMES)
+    model = method.model.eval()
+    states = [*_states(method), *_states(method)][:4]
+    g = torch.Generator().manual_seed(4)
+    n = 16
+    split = evaluate.DeviceSplit(torch.randint(0, 256, (n, 16, 16, 3), generator=g, dtype=torch.uint8),
+                                 torch.randint(0, CLASSES, (n,), generator=g),
+                                 extras={} if vit else {TOKENS: torch.randn(n, 17, 24, generator=g)})
+    pipeline = evaluate.InputPipeline(16, (0.5,) * 3, (0.25,) * 3)
+    own = [torch.tensor([3, 0]), torch.tensor([], dtype=torch.long), torch.arange(9), torch.tensor([15, 2, 9, 11, 4])]
+    server = method.strategy.init_state(len(states))
+    plan = method.evaluator.one_pass(model)
+    assert plan is not None
+    snaps, alone = [], []
+    with attention_backend("cpu"):
+        for c, st in enumerate(states):
+            method.evaluator.load(model, c, server, st, None)
+            snaps.append({k: t.clone() for k, t in model.state_dict(keep_vars=True).items()})
+            alone.append(predict(method, model, split, own[c], pipeline, 4))
+        names = [k for k in method.keys(0) if plan.per_client is None or k in plan.per_client]
+        stacked = {k: torch.stack([s[k].detach() for s in snaps]) for k in names}
+        together = predict_own_clients(method, model, plan, stacked, split, own, pipeline, 4)
+    assert [len(p) for p in together] == [2, 0, 9, 5]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+    # the clients' models differ on the whole split, so a mixed-up client row would show
+    assert len({tuple(p.tolist()) for p in _all(method, model, server, states, split, pipeline)}) > 1
+
+
+def _all(method, model, server, states, split, pipeline):
+    """Each client's predictions on the whole split (to see that the clients' models differ)."""
+    idx = torch.arange(len(split.y))
+    with attention_backend("cpu"):
+        for c, st in enumerate(states):
+            method.evaluator.load(model, c, server, st, None)
+            yield predict(method, model, split, idx, pipeline, 4)
+
+
+def _copy_config(tmp_path: Path, edit) -> Path:
+    shutil.copytree(ROOT / "config", tmp_path / "config")
+    path = tmp_path / "config" / "experiments" / "sgpt.yaml"
+    doc = yaml.safe_load(path.read_text())
+    edit(doc["experiments"])
+    path.write_text(yaml.safe_dump(doc))
+    return tmp_path
+
+
+def _no_global(exp: dict, **more) -> None:
+    exp["evaluation"] = {**exp.get("evaluation", {}), "global_test": "none", **more}
+
+
+def test_a_table_may_not_read_a_global_metric_of_an_experiment_without_a_global_test(tmp_path):
+    root = _copy_config(tmp_path, lambda e: _no_global(e["sgpt_five"]))
+    top = {**yaml.safe_load((ROOT / "config" / "config.yaml").read_text()), "papers": ["sgpt"], "outputs": "all"}
+    with pytest.raises(ConfigError) as err:
+        load_config(top, root)
+    msg = str(err.value)
+    assert "global_acc" in msg and "'sgpt_five'" in msg and "global_test none" in msg and "sgpt_table1" in msg
+
+
+def test_per_class_accuracy_needs_a_global_test(tmp_path):
+    root = _copy_config(tmp_path, lambda e: _no_global(e["sgpt_five"], per_class=True))
+    top = {**yaml.safe_load((ROOT / "config" / "config.yaml").read_text()), "papers": ["sgpt"], "outputs": "all"}
+    with pytest.raises(ConfigError, match="experiment sgpt_five: evaluation.per_class reads the global test set"):
+        load_config(top, root)
+
+
+def test_fedotp_scores_own_test_sets_and_no_output_reads_a_global_metric():
+    """FedOTP's experiments have no global test set (its code scores each client's prompts on that client's test
+    set), and the config loads at every scale: no FedOTP table or figure reads a global metric."""
+    for scale in ("mini", "paper"):
+        cfg = load_config({**yaml.safe_load((ROOT / "config" / "config.yaml").read_text()), "papers": ["fedotp"],
+                           "outputs": "all", "scale": scale}, ROOT)
+        assert {x["evaluation"]["global_test"] for x in cfg.experiments.values()} == {"none"}
+
+
+def test_a_sparser_schedule_changes_no_evaluated_number(hetero_files, tmp_path):
+    """FedBABU (every evaluation fine-tunes) evaluated every round and at round 1 and the last round only
+    (``every: 0``): the rounds both evaluate hold the same numbers; the other rounds are simply absent."""
+    from fedcore.train import train_run
+
+    def run(out: Path, every: int):
+        out.mkdir()
+        params = {**run_params(rounds=3, participation=1.0), "method_params": {"init": "random",
+                                                                                "finetune_epochs": 1},
+                  "evaluation": {"global_test": "official_test", "every": every}, "final_window": 1}
+        return train_run(params, identity("fedbabu"), hetero_files["dataset"], hetero_files["partition5"],
+                         "resnet_mini_18", hetero_files["weights"]["resnet_mini_18"], out / "m.parquet",
+                         out / "f.pt", progress=False).metrics
+
+    every, sparse = run(tmp_path / "every", 1), run(tmp_path / "sparse", 0)
+    scored = lambda m: m[m.split.isin(["global", "local"])]   # noqa: E731
+    assert sorted(scored(every)["round"].unique()) == [1, 2, 3]
+    assert sorted(scored(sparse)["round"].unique()) == [1, 3]
+    keep = every[every["round"].isin([1, 3]) | ~every.split.isin(["global", "local"])].reset_index(drop=True)
+    assert keep[["round", "client", "split", "metric"]].equals(sparse[["round", "client", "split", "metric"]])
+    assert keep["value"].tolist() == sparse["value"].tolist()
+
+
+def test_fedbabu_alone_has_its_own_schedule_in_fedhpls_experiments():
+    """FedHPL: FedBABU evaluated at round 1 and the final round only, every other method every round (paper)."""
+    cfg = load_config({**yaml.safe_load((ROOT / "config" / "config.yaml").read_text()), "papers": ["fedhpl"],
+                       "outputs": "all", "scale": "paper"}, ROOT)
+    runs = [(r["experiment"], r["method"]) for r in cfg.runs()]
+    babu = [e for e, m in runs if m == "fedbabu"]
+    assert len(babu) == 9
+    for e, m in runs:
+        assert cfg.train_params(e, m)["evaluation"]["every"] == (0 if m == "fedbabu" else 1), (e, m)
