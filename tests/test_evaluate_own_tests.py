@@ -161,3 +161,22 @@ def test_fedbabu_alone_has_its_own_schedule_in_fedhpls_experiments():
     assert len(babu) == 9
     for e, m in runs:
         assert cfg.train_params(e, m)["evaluation"]["every"] == (0 if m == "fedbabu" else 1), (e, m)
+
+
+def test_the_paper_scale_estimate_counts_what_each_run_evaluates():
+    """fedcore/estimate.py: FedOTP's personalised clients scoring their own test sets cost one pass over the pooled
+    set, not one per client; FedBABU's fine-tuning is counted at its two evaluated rounds only."""
+    from dataclasses import replace
+
+    from fedcore.estimate import estimate, estimate_run, run_shape
+
+    cfg = load_config({**yaml.safe_load((ROOT / "config" / "config.yaml").read_text()),
+                       "papers": ["fedhpl", "fedotp"], "outputs": "all", "scale": "paper"}, ROOT)
+    otp = run_shape(cfg, "otp_c100_a0p3", "fedotp")
+    assert otp.own_tests_only and otp.personalized and otp.clients == 100
+    pooled = estimate(replace(otp, own_tests_only=False))
+    assert pooled.eval_s / estimate(otp).eval_s == pytest.approx(otp.clients, rel=0.02)
+    babu, avg = run_shape(cfg, "hpl_c10_iid_homo", "fedbabu"), run_shape(cfg, "hpl_c10_iid_homo", "fedavg")
+    assert (babu.evaluated_rounds, avg.evaluated_rounds, babu.rounds) == (2, 100, 100)
+    every = estimate(replace(babu, evaluated_rounds=100))
+    assert every.train_s > 5 * estimate_run(cfg, "hpl_c10_iid_homo", "fedbabu").train_s
