@@ -11,12 +11,12 @@ accuracies.
 Random weights and random cached image tokens (the time does not depend on them; FedOTP's OT iterations do, see
 bench_fedotp.py). Batch 100 (FedOTP's evaluation batch).
 
-Measured on the shared 2-core CPU machine (another process running), one thread, torch 2.14.1, clip_mini:
-    coop,   K = 10,  20 clients x 50 images:  pooled 0.43 s,   own 0.20 s (x2.1: the text tower dominates)
-    coop,   K = 10,  40 clients x 100 images: pooled 2.28 s,   own 0.46 s (x5.0)
-    fedotp, K = 10,  10 clients x 20 images:  pooled 1.20 s,   own 0.22 s (x5.3)
-    fedotp, K = 10,  40 clients x 50 images:  pooled 46.0 s,   own 1.79 s (x25.7)
-    fedotp, K = 100, 20 clients x 50 images:  pooled 119.7 s,  own 7.66 s (x15.6)
+Measured on the shared 2-core CPU machine (another process running: +-30 %), one thread, torch 2.14.1, clip_mini:
+    coop,   K = 10,  20 clients x 50 images:  pooled 0.13 s,   own 0.06 s (x2.0: the text tower dominates)
+    coop,   K = 10,  40 clients x 100 images: pooled 0.49 s,   own 0.14 s (x3.4)
+    fedotp, K = 10,  10 clients x 20 images:  pooled 0.38 s,   own 0.07 s (x5.3)
+    fedotp, K = 10,  40 clients x 50 images:  pooled 14.3 s,   own 0.49 s (x29)
+    fedotp, K = 100, 20 clients x 50 images:  pooled 37.8 s,   own 2.59 s (x14.6)
 every line with the same local accuracies both ways.
 No GPU was lent to this task: the paper-shape line is not measured.
 """

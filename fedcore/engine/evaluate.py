@@ -146,20 +146,18 @@ def _own_predictions(method, sets: EvalSets, pipeline: InputPipeline, batch_size
 def predict_own_clients(method, model, plan: OnePassEval, stacked: dict[str, torch.Tensor], split: DeviceSplit,
                         indices: list[torch.Tensor], pipeline: InputPipeline, batch_size: int) -> list[torch.Tensor]:
     """Predicted labels of each client whose tensors are stacked in ``stacked`` on its own ``indices`` of ``split``:
-    at each step the next batch of every client that has one, up to ``CLIENTS_PER_PASS`` clients' batches
-    concatenated into one pass (each segment read through its own client's tensors)."""
+    the clients in groups of ``CLIENTS_PER_PASS``, each step of a group one pass over the next batch of every client
+    of the group that has one, concatenated (each segment read through its own client's tensors; only one group's
+    batches are alive at a time)."""
     out: list[list[torch.Tensor]] = [[] for _ in indices]
     predict = with_stacked(model, plan.predict)
-    batches = [iter(iterate_batches(split, idx, batch_size, pipeline)) for idx in indices]
     with evaluation_scope():
-        while True:
-            step = [(r, b) for r, it in enumerate(batches) if (b := next(it, None)) is not None]
-            if not step:
-                break
-            for lo in range(0, len(step), CLIENTS_PER_PASS):
-                part = step[lo:lo + CLIENTS_PER_PASS]
-                owners = Owners(tuple(r for r, _ in part), tuple(len(b.y) for _, b in part))
-                batch = part[0][1] if len(part) == 1 else concat_batches([b for _, b in part])
+        for lo in range(0, len(indices), CLIENTS_PER_PASS):
+            group = {r: iter(iterate_batches(split, indices[r], batch_size, pipeline))
+                     for r in range(lo, min(len(indices), lo + CLIENTS_PER_PASS))}
+            while step := [(r, b) for r, it in group.items() if (b := next(it, None)) is not None]:
+                owners = Owners(tuple(r for r, _ in step), tuple(len(b.y) for _, b in step))
+                batch = step[0][1] if len(step) == 1 else concat_batches([b for _, b in step])
                 for r, seg in zip(owners.rows, owners.split(predict(stacked, batch, owners))):
                     out[r].append(seg.argmax(dim=1))
     empty = torch.empty(0, dtype=torch.long, device=split.y.device)
