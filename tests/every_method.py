@@ -30,9 +30,10 @@ from virtual_device import VIRTUAL, OnVirtualDevice
 ROOT = Path(__file__).resolve().parents[1]
 # one batch a client and epoch; at most MAX_CLIENTS clients unless the experiment names each client's backbone
 TRAIN_PER_CLIENT, TEST_PER_CLIENT, MAX_CLIENTS = 4, 2, 3
-# the same code in fewer steps: FedTGP's server trains 100 epochs a round, FedMD's clients 50 epochs of transfer
-# learning on the whole public set (none here: its steps are the digest's) and a digest on its round subset
-SMALL_BUDGETS = {"server_epochs": 2, "pretrain_epochs": 0, "public_subset": 8}
+# the same code in fewer steps: FedTGP's server trains 100 epochs a round, FedGen's 100 Adam steps of its generator,
+# FedMD's clients 50 epochs of transfer learning on the whole public set (none here: its steps are the digest's) and a
+# digest on its round subset
+SMALL_BUDGETS = {"server_epochs": 2, "generator_steps": 2, "pretrain_epochs": 0, "public_subset": 8}
 
 
 @lru_cache(maxsize=1)
