@@ -1,9 +1,13 @@
 """Shared fixtures: a tiny dataset bundle, a partition and a random-init vit_mini weight file."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import yaml
 from hypothesis import settings
 
 from fedcore.backbones.registry import build_backbone
@@ -152,3 +156,14 @@ def smoke_config():
     root = Path(__file__).resolve().parents[1]
     return load_config({"scale": "smoke", "seeds": [0], "papers": ["sgpt", "fedhpl", "fedotp", "fedpft"],
                         "outputs": "all"}, root)
+
+
+def edited_config(tmp_path: Path, paper: str, edit) -> Path:
+    """A root under ``tmp_path`` holding a copy of config/ with ``edit`` applied to ``paper``'s experiments (a dict of
+    experiment name -> experiment, edited in place)."""
+    shutil.copytree(Path(__file__).resolve().parents[1] / "config", tmp_path / "config")
+    path = tmp_path / "config" / "experiments" / f"{paper}.yaml"
+    doc = yaml.safe_load(path.read_text())
+    edit(doc["experiments"])
+    path.write_text(yaml.safe_dump(doc))
+    return tmp_path

@@ -4,25 +4,21 @@ number; in one pass the clients' own batches go through together, each read thro
 method's own schedule (``method_evaluation``: FedBABU at round 1 and the final round only)."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from conftest import identity, run_params
+from conftest import edited_config, identity, run_params
 from fedcore.backbones.prompted import attention_backend
 from fedcore.config import ConfigError, load_config
 from fedcore.engine import evaluate
 from fedcore.engine.evaluate import predict, predict_own_clients
-from fedcore.methods import method_class
-from fedcore.methods.clip_prompt import TOKENS
 from fedcore.train import train_run
-from otp_helpers import NAMES, clip  # noqa: F401  (clip: a module-scoped fixture)
+from otp_helpers import clip  # noqa: F401  (clip: a module-scoped fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
-CLASSES = 4
 
 
 def _run(files: dict, out: Path, method: str, global_test: str):
@@ -47,57 +43,23 @@ def test_no_global_test_keeps_every_local_number_and_drops_the_global_ones(learn
 
 @pytest.mark.parametrize("name", ["local", "coop", "fedotp"])
 def test_own_test_sets_in_one_pass_give_each_clients_own_predictions(clip, name, monkeypatch):
-    """Clients of uneven test sets (2, 0, 9 and 5 images at batch 4) scored together, two clients a pass: each
-    client's predictions are those of its model alone on its own images."""
-    from test_onepass import _states, _vit_method
+    """Clients of uneven test sets (2, 0 and 9 images at batch 4) scored together, two clients a pass: each client's
+    predictions are those of its model alone on its own images."""
+    from test_onepass import personal_eval_case, stacked_clients
 
     monkeypatch.setattr(evaluate, "CLIENTS_PER_PASS", 2)
-    torch.manual_seed(1)
-    vit = name == "local"
-    method = _vit_method(name) if vit else method_class(name)(clip, len(NAMES), {}, class_names=NAMES)
-    model = method.model.eval()
-    states = [*_states(method), *_states(method)][:4]
-    g = torch.Generator().manual_seed(4)
-    n = 16
-    split = evaluate.DeviceSplit(torch.randint(0, 256, (n, 16, 16, 3), generator=g, dtype=torch.uint8),
-                                 torch.randint(0, CLASSES, (n,), generator=g),
-                                 extras={} if vit else {TOKENS: torch.randn(n, 17, 24, generator=g)})
-    pipeline = evaluate.InputPipeline(16, (0.5,) * 3, (0.25,) * 3)
-    own = [torch.tensor([3, 0]), torch.tensor([], dtype=torch.long), torch.arange(9), torch.tensor([15, 2, 9, 11, 4])]
-    server = method.strategy.init_state(len(states))
-    plan = method.evaluator.one_pass(model)
-    assert plan is not None
-    snaps, alone = [], []
+    method, model, states, split, pipeline, server, plan = personal_eval_case(clip, name, 16)
+    own = [torch.tensor([3, 0]), torch.tensor([], dtype=torch.long), torch.arange(9)]
     with attention_backend("cpu"):
-        for c, st in enumerate(states):
-            method.evaluator.load(model, c, server, st, None)
-            snaps.append({k: t.clone() for k, t in model.state_dict(keep_vars=True).items()})
-            alone.append(predict(method, model, split, own[c], pipeline, 4))
-        names = [k for k in method.keys(0) if plan.per_client is None or k in plan.per_client]
-        stacked = {k: torch.stack([s[k].detach() for s in snaps]) for k in names}
+        stacked, alone = stacked_clients(method, model, plan, server, states,
+                                         lambda c: predict(method, model, split, own[c], pipeline, 4))
         together = predict_own_clients(method, model, plan, stacked, split, own, pipeline, 4)
-    assert [len(p) for p in together] == [2, 0, 9, 5]
+        # the clients' models differ on the whole split, so a mixed-up client row would show
+        _, whole = stacked_clients(method, model, plan, server, states,
+                                   lambda c: predict(method, model, split, torch.arange(16), pipeline, 4))
+    assert [len(p) for p in together] == [2, 0, 9]
     assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
-    # the clients' models differ on the whole split, so a mixed-up client row would show
-    assert len({tuple(p.tolist()) for p in _all(method, model, server, states, split, pipeline)}) > 1
-
-
-def _all(method, model, server, states, split, pipeline):
-    """Each client's predictions on the whole split (to see that the clients' models differ)."""
-    idx = torch.arange(len(split.y))
-    with attention_backend("cpu"):
-        for c, st in enumerate(states):
-            method.evaluator.load(model, c, server, st, None)
-            yield predict(method, model, split, idx, pipeline, 4)
-
-
-def _copy_config(tmp_path: Path, edit) -> Path:
-    shutil.copytree(ROOT / "config", tmp_path / "config")
-    path = tmp_path / "config" / "experiments" / "sgpt.yaml"
-    doc = yaml.safe_load(path.read_text())
-    edit(doc["experiments"])
-    path.write_text(yaml.safe_dump(doc))
-    return tmp_path
+    assert len({tuple(p.tolist()) for p in whole}) > 1
 
 
 def _no_global(exp: dict, **more) -> None:
@@ -105,7 +67,7 @@ def _no_global(exp: dict, **more) -> None:
 
 
 def test_a_table_may_not_read_a_global_metric_of_an_experiment_without_a_global_test(tmp_path):
-    root = _copy_config(tmp_path, lambda e: _no_global(e["sgpt_five"]))
+    root = edited_config(tmp_path, "sgpt", lambda e: _no_global(e["sgpt_five"]))
     top = {**yaml.safe_load((ROOT / "config" / "config.yaml").read_text()), "papers": ["sgpt"], "outputs": "all"}
     with pytest.raises(ConfigError) as err:
         load_config(top, root)
@@ -114,7 +76,7 @@ def test_a_table_may_not_read_a_global_metric_of_an_experiment_without_a_global_
 
 
 def test_per_class_accuracy_needs_a_global_test(tmp_path):
-    root = _copy_config(tmp_path, lambda e: _no_global(e["sgpt_five"], per_class=True))
+    root = edited_config(tmp_path, "sgpt", lambda e: _no_global(e["sgpt_five"], per_class=True))
     top = {**yaml.safe_load((ROOT / "config" / "config.yaml").read_text()), "papers": ["sgpt"], "outputs": "all"}
     with pytest.raises(ConfigError, match="experiment sgpt_five: evaluation.per_class reads the global test set"):
         load_config(top, root)

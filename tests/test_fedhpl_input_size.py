@@ -2,15 +2,13 @@
 FedHPL (CNN)'s pad prompt is sized by it (1,260 pixels at 32 px, 8,172 at 224)."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-import yaml
 
-from conftest import identity, run_params
+from conftest import edited_config, identity, run_params
 from fedcore.backbones.registry import build_backbone, prompt_adapter
 from fedcore.backbones.vit import backbone_info
 from fedcore.config import ConfigError, load_config
@@ -122,12 +120,7 @@ def test_fig10_draws_each_input_size_from_its_experiment(cfg):
 
 
 def _edited(tmp_path: Path, edit) -> Path:
-    shutil.copytree(ROOT / "config", tmp_path / "config")
-    path = tmp_path / "config" / "experiments" / "fedhpl.yaml"
-    doc = yaml.safe_load(path.read_text())
-    edit(doc["experiments"])
-    path.write_text(yaml.safe_dump(doc))
-    return tmp_path
+    return edited_config(tmp_path, "fedhpl", edit)
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -217,6 +217,38 @@ def test_the_cpu_takes_the_one_pass():
     assert {"cpu", "cuda"} <= ONE_PASS_ON
 
 
+def personal_eval_case(clip, name: str, n: int):
+    """(method, model, states, split, pipeline, server, plan) of a personalised evaluation: Local (ViT) or a CLIP
+    prompt method, three clients whose models differ, a test split of ``n`` images (CLIP: with image tokens)."""
+    from fedcore.engine import evaluate
+
+    torch.manual_seed(1)
+    vit = name == "local"
+    method = _vit_method(name) if vit else method_class(name)(clip, len(NAMES), {}, class_names=NAMES)
+    model = method.model.eval()
+    g = torch.Generator().manual_seed(4)
+    split = evaluate.DeviceSplit(torch.randint(0, 256, (n, 16, 16, 3), generator=g, dtype=torch.uint8),
+                                 torch.randint(0, CLASSES, (n,), generator=g),
+                                 extras={} if vit else {TOKENS: torch.randn(n, 17, 24, generator=g)})
+    pipeline = evaluate.InputPipeline(16, (0.5,) * 3, (0.25,) * 3)
+    states = _states(method)
+    plan = method.evaluator.one_pass(model)
+    assert plan is not None
+    return method, model, states, split, pipeline, method.strategy.init_state(len(states)), plan
+
+
+def stacked_clients(method, model, plan, server, states, alone) -> tuple[dict[str, Tensor], list]:
+    """Each client's model loaded in turn: its per-client tensors stacked (client axis first) and ``alone(c)``, its
+    predictions one client at a time."""
+    snaps, out = [], []
+    for c, st in enumerate(states):
+        method.evaluator.load(model, c, server, st, None)
+        snaps.append({k: t.clone() for k, t in model.state_dict(keep_vars=True).items()})
+        out.append(alone(c))
+    names = [k for k in method.keys(0) if plan.per_client is None or k in plan.per_client]
+    return {k: torch.stack([s[k].detach() for s in snaps]) for k in names}, out
+
+
 @pytest.mark.parametrize("name", ["local", "coop", "fedotp"])
 def test_personalised_evaluation_in_one_pass_gives_the_same_predictions(clip, name, monkeypatch):
     """Every client's own model scores the test set in one pass (``Evaluator.one_pass``): the predictions of one
@@ -225,36 +257,18 @@ def test_personalised_evaluation_in_one_pass_gives_the_same_predictions(clip, na
     from fedcore.engine import evaluate
     from fedcore.engine.evaluate import predict
 
-    torch.manual_seed(1)
-    vit = name == "local"
-    method = _vit_method(name) if vit else method_class(name)(clip, len(NAMES), {}, class_names=NAMES)
-    model = method.model.eval()
-    states = _states(method)
-    g = torch.Generator().manual_seed(4)
-    n = 13
-    split = evaluate.DeviceSplit(torch.randint(0, 256, (n, 16, 16, 3), generator=g, dtype=torch.uint8),
-                                 torch.randint(0, CLASSES, (n,), generator=g),
-                                 extras={} if vit else {TOKENS: torch.randn(n, 17, 24, generator=g)})
-    pipeline = evaluate.InputPipeline(16, (0.5,) * 3, (0.25,) * 3)
-    idx = torch.arange(n)
-    server = method.strategy.init_state(len(states))
-    plan = method.evaluator.one_pass(model)
-    assert plan is not None
-    snaps, alone = [], []
+    method, model, states, split, pipeline, server, plan = personal_eval_case(clip, name, 13)
+    idx = torch.arange(13)
     with attention_backend("cpu"):
-        for c, st in enumerate(states):
-            method.evaluator.load(model, c, server, st, None)
-            snaps.append({k: t.clone() for k, t in model.state_dict(keep_vars=True).items()})
-            alone.append(predict(method, model, split, idx, pipeline, 4))
-        names = [k for k in method.keys(0) if plan.per_client is None or k in plan.per_client]
-        stacked = {k: torch.stack([s[k].detach() for s in snaps]) for k in names}
+        stacked, alone = stacked_clients(method, model, plan, server, states,
+                                         lambda c: predict(method, model, split, idx, pipeline, 4))
         text_passes = []
-        if not vit:
+        if name != "local":
             encode = clip.encode_text_with_context
             monkeypatch.setattr(clip, "encode_text_with_context", lambda *a: text_passes.append(1) or encode(*a))
         together = evaluate.predict_clients(method, model, plan, stacked, split, idx, pipeline, 4)
     assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
-    assert len(text_passes) == (0 if vit else 1)   # 4 test batches, one group of clients
+    assert len(text_passes) == (0 if name == "local" else 1)   # 4 test batches, one group of clients
     assert len({tuple(p.tolist()) for p in alone}) > 1  # the clients' models do differ
 
 
