@@ -142,3 +142,17 @@ def test_the_paper_scale_estimate_counts_what_each_run_evaluates():
     assert (babu.evaluated_rounds, avg.evaluated_rounds, babu.rounds) == (2, 100, 100)
     every = estimate(replace(babu, evaluated_rounds=100))
     assert every.train_s > 5 * estimate_run(cfg, "hpl_c10_iid_homo", "fedbabu").train_s
+
+
+@pytest.mark.parametrize("own, needle", [
+    ({"fedavg": {"every": 0}}, "report.window 'best' needs every round evaluated, but method_evaluation.fedavg.every=0"),
+    ({"fedavgg": {"every": 1}}, "method_evaluation.fedavgg"),
+])
+def test_a_methods_own_schedule_is_checked(tmp_path, own, needle):
+    """FedPFT reports each run's best round: a method evaluated less often is refused, as an unknown method is."""
+    def edit(e: dict) -> None:
+        e["pft_c100_dir0p5"]["method_evaluation"] = own
+
+    top = {**yaml.safe_load((ROOT / "config" / "config.yaml").read_text()), "papers": ["fedpft"], "outputs": "all"}
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("'", ".")):
+        load_config(top, edited_config(tmp_path, "fedpft", edit))

@@ -140,8 +140,6 @@ def resolve_experiment(name: str, exp: dict, paper: str, scale: dict, files: str
     out["evaluation"] = deep_merge(out["evaluation"], scale.get("evaluation", {}))
     out["report"] = deep_merge(out["report"], scale.get("report", {}))
     out["method_federation"] = deep_merge(out.get("method_federation", {}), scale.get("method_federation", {}))
-    if "method_evaluation" in scale or "method_evaluation" in out:
-        out["method_evaluation"] = deep_merge(out.get("method_evaluation", {}), scale.get("method_evaluation", {}))
     run = scale.get("run_federation")
     if run:  # over the experiment's budget and every method's own, so that no run keeps a longer one
         out["federation"] = deep_merge(out["federation"], run)
