@@ -1,7 +1,7 @@
 """Evaluation every round: global, mean-local and worst-local accuracy, for global or personalised models.
 
-``global_test`` none (FedOTP: its tables read the clients' own test sets only): no global accuracy, and each
-personalised model scores its own client's test set only, not every client's (100x less work at K = 100 clients).
+``global_test`` none (FedOTP, FedPFT: their tables read the clients' own test sets only): no global accuracy, and
+each personalised model scores its own client's test set only, not every client's (100x less work at 100 clients).
 
 With ``per_class`` (the experiment's ``evaluation.per_class``) it also gives the accuracy on each class's
 images of the global test set, ``acc_class<k>``: per client for personalised models, and for client -1 the
