@@ -1,7 +1,7 @@
-"""What a run evaluates, and where: ``evaluation.global_test: none`` (FedOTP, FedPFT: no global accuracy, each personalised
-model scores its own client's test set only; the local accuracies are those of the pooled evaluation, number for
-number; in one pass the clients' own batches go through together, each read through its own client's tensors), and a
-method's own schedule (``method_evaluation``: FedBABU at round 1 and the final round only)."""
+"""What a run evaluates, and where: ``evaluation.global_test: none`` (FedOTP, FedPFT: no global accuracy, each
+personalised model scores its own client's test set only; the local accuracies are those of the pooled evaluation,
+number for number; in one pass the clients' own batches go through together, each read through its own client's
+tensors), and a method's own schedule (``method_evaluation``: FedBABU at round 1 and the final round only)."""
 from __future__ import annotations
 
 from pathlib import Path
