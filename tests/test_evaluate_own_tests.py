@@ -145,7 +145,7 @@ def test_the_paper_scale_estimate_counts_what_each_run_evaluates():
 
 
 @pytest.mark.parametrize("own, needle", [
-    ({"fedavg": {"every": 0}}, "report.window 'best' needs every round evaluated, but method_evaluation.fedavg.every=0"),
+    ({"fedavg": {"every": 0}}, "'best' needs every round evaluated, but method_evaluation.fedavg.every=0"),
     ({"fedavgg": {"every": 1}}, "method_evaluation.fedavgg"),
 ])
 def test_a_methods_own_schedule_is_checked(tmp_path, own, needle):
