@@ -21,13 +21,14 @@ from fedcore.partition.make import make_partition
 from fedcore.train import train_run
 
 
-def _client(x: torch.Tensor, y: torch.Tensor, batch: int = 4, cid: int = 0) -> ClientData:
-    """ClientData over x, y in their given order (no shuffle), so the groups are known."""
+def _client(x: torch.Tensor, y: torch.Tensor, batch: int = 4, cid: int = 0, seed: int | None = None) -> ClientData:
+    """ClientData over x, y in their given order (no shuffle), so the groups are known; its generator seeded with
+    ``seed`` (default: the client id)."""
     def batches():
         for s in range(0, len(y), batch):
             idx = torch.arange(s, min(s + batch, len(y)))
             yield Batch(x[idx], y[idx], idx, {})
-    return ClientData(cid, len(y), batches, torch.Generator().manual_seed(cid))
+    return ClientData(cid, len(y), batches, torch.Generator().manual_seed(cid if seed is None else seed))
 
 
 def _method(**params) -> FedMix:
